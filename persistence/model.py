@@ -42,16 +42,32 @@ TRANSITIONS: dict[TaskState, frozenset[TaskState]] = {
     TaskState.QUEUED: frozenset({TaskState.ASSIGNED, TaskState.CANCELLED}),
     TaskState.RETRYING: frozenset({TaskState.ASSIGNED, TaskState.CANCELLED, TaskState.QUEUED}),
     TaskState.ASSIGNED: frozenset(
-        {TaskState.DISPATCHED, TaskState.RETRYING, TaskState.QUEUED, TaskState.FAILED,
-         TaskState.CANCELLED}
+        {
+            TaskState.DISPATCHED,
+            TaskState.RETRYING,
+            TaskState.QUEUED,
+            TaskState.FAILED,
+            TaskState.CANCELLED,
+        }
     ),
     TaskState.DISPATCHED: frozenset(
-        {TaskState.RUNNING, TaskState.RETRYING, TaskState.QUEUED, TaskState.FAILED,
-         TaskState.CANCELLED, TaskState.DONE}
+        {
+            TaskState.RUNNING,
+            TaskState.RETRYING,
+            TaskState.QUEUED,
+            TaskState.FAILED,
+            TaskState.CANCELLED,
+            TaskState.DONE,
+        }
     ),
     TaskState.RUNNING: frozenset(
-        {TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED, TaskState.RETRYING,
-         TaskState.QUEUED}
+        {
+            TaskState.DONE,
+            TaskState.FAILED,
+            TaskState.CANCELLED,
+            TaskState.RETRYING,
+            TaskState.QUEUED,
+        }
     ),
     TaskState.DONE: frozenset(),
     TaskState.FAILED: frozenset(),

@@ -45,10 +45,12 @@ projects = sa.Table(
 project_admins = sa.Table(
     "project_admins",
     metadata,
-    sa.Column("project", sa.Text, sa.ForeignKey("projects.name", ondelete="CASCADE"),
-              primary_key=True),
-    sa.Column("user_name", sa.Text, sa.ForeignKey("users.name", ondelete="CASCADE"),
-              primary_key=True),
+    sa.Column(
+        "project", sa.Text, sa.ForeignKey("projects.name", ondelete="CASCADE"), primary_key=True
+    ),
+    sa.Column(
+        "user_name", sa.Text, sa.ForeignKey("users.name", ondelete="CASCADE"), primary_key=True
+    ),
 )
 
 hosts = sa.Table(
@@ -67,8 +69,9 @@ hosts = sa.Table(
 devices = sa.Table(
     "devices",
     metadata,
-    sa.Column("host_id", sa.Text, sa.ForeignKey("hosts.host_id", ondelete="CASCADE"),
-              primary_key=True),
+    sa.Column(
+        "host_id", sa.Text, sa.ForeignKey("hosts.host_id", ondelete="CASCADE"), primary_key=True
+    ),
     sa.Column("device_id", sa.Text, primary_key=True),
     sa.Column("state", sa.Text, nullable=False),
     sa.Column("capabilities", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
@@ -125,8 +128,12 @@ tasks = sa.Table(
 attempts = sa.Table(
     "attempts",
     metadata,
-    sa.Column("task_id", sa.Uuid(as_uuid=False), sa.ForeignKey("tasks.id", ondelete="CASCADE"),
-              primary_key=True),
+    sa.Column(
+        "task_id",
+        sa.Uuid(as_uuid=False),
+        sa.ForeignKey("tasks.id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
     sa.Column("number", sa.Integer, primary_key=True),
     sa.Column("host_id", sa.Text, sa.ForeignKey("hosts.host_id"), nullable=False),
     sa.Column("device_id", sa.Text, nullable=False),
@@ -155,8 +162,9 @@ device_reservations = sa.Table(
     metadata,
     sa.Column("host_id", sa.Text, primary_key=True),
     sa.Column("device_id", sa.Text, primary_key=True),
-    sa.Column("task_id", sa.Uuid(as_uuid=False), sa.ForeignKey("tasks.id"), nullable=False,
-              unique=True),
+    sa.Column(
+        "task_id", sa.Uuid(as_uuid=False), sa.ForeignKey("tasks.id"), nullable=False, unique=True
+    ),
     sa.Column("attempt", sa.Integer, nullable=False),
     sa.Column("reserved_at", TS, nullable=False),
 )
@@ -165,8 +173,12 @@ log_lines = sa.Table(
     "log_lines",
     metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
-    sa.Column("task_id", sa.Uuid(as_uuid=False), sa.ForeignKey("tasks.id", ondelete="CASCADE"),
-              nullable=False),
+    sa.Column(
+        "task_id",
+        sa.Uuid(as_uuid=False),
+        sa.ForeignKey("tasks.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
     sa.Column("attempt", sa.Integer, nullable=False),
     sa.Column("seq", sa.BigInteger, nullable=False),
     sa.Column("ts", TS, nullable=False),
@@ -177,8 +189,12 @@ log_lines = sa.Table(
 artifacts = sa.Table(
     "artifacts",
     metadata,
-    sa.Column("task_id", sa.Uuid(as_uuid=False), sa.ForeignKey("tasks.id", ondelete="CASCADE"),
-              primary_key=True),
+    sa.Column(
+        "task_id",
+        sa.Uuid(as_uuid=False),
+        sa.ForeignKey("tasks.id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
     sa.Column("attempt", sa.Integer, primary_key=True),
     sa.Column("name", sa.Text, primary_key=True),
     sa.Column("size", sa.BigInteger, nullable=False),

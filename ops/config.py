@@ -1,0 +1,101 @@
+"""Configuration: flag > environment > context file (written by ``fleetlease up``)
+> embedded default."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+ENV_DATABASE_URL = "FLEETLEASE_DATABASE_URL"
+ENV_NATS_URL = "FLEETLEASE_NATS_URL"
+ENV_STATE_DIR = "FLEETLEASE_STATE_DIR"
+ENV_PREFIX = "FLEETLEASE_PREFIX"
+ENV_TOKEN = "FLEETLEASE_TOKEN"
+DEFAULT_PREFIX = "fleetlease"
+
+
+class ConfigError(Exception):
+    """The configuration is unusable (an unwritable state dir, a bad URL)."""
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get(ENV_STATE_DIR) or "~/.local/share/fleetlease").expanduser()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    state_dir: Path
+    database_url: str | None = None
+    nats_url: str | None = None
+    prefix: str = DEFAULT_PREFIX
+    token: str | None = None
+    debug: bool = False
+
+    @property
+    def context_path(self) -> Path:
+        return self.state_dir / "context.json"
+
+    def with_context(self) -> Settings:
+        """Fill what flags and environment left unset from the context file."""
+        ctx = read_context(self.state_dir)
+        if not ctx:
+            return self
+        token = self.token
+        if token is None and ctx.get("admin_token_path"):
+            try:
+                token = Path(ctx["admin_token_path"]).read_text().strip() or None
+            except OSError:
+                token = None
+        return replace(
+            self,
+            database_url=self.database_url or ctx.get("database_url"),
+            nats_url=self.nats_url or ctx.get("nats_url"),
+            prefix=self.prefix if self.prefix != DEFAULT_PREFIX else ctx.get("prefix", self.prefix),
+            token=token,
+        )
+
+
+def from_args(args: Any) -> Settings:
+    state_dir = Path(getattr(args, "state_dir", None) or default_state_dir()).expanduser()
+    return Settings(
+        state_dir=state_dir,
+        database_url=getattr(args, "database_url", None)
+        or os.environ.get(ENV_DATABASE_URL)
+        or None,
+        nats_url=getattr(args, "nats_url", None) or os.environ.get(ENV_NATS_URL) or None,
+        prefix=getattr(args, "prefix", None) or os.environ.get(ENV_PREFIX) or DEFAULT_PREFIX,
+        token=getattr(args, "token", None) or os.environ.get(ENV_TOKEN) or None,
+        debug=bool(getattr(args, "debug", False)),
+    )
+
+
+def ensure_state_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        probe = path / ".write-probe"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"state dir {path} is not writable: {exc.strerror or exc}") from exc
+    return path
+
+
+def read_context(state_dir: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((state_dir / "context.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_context(state_dir: Path, data: dict[str, Any]) -> Path:
+    path = state_dir / "context.json"
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+    return path

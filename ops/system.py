@@ -1,0 +1,167 @@
+"""Bringing the pieces up: embedded or given PostgreSQL and NATS, the schema, the
+single-instance lock of ``up``, the context file."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import structlog
+
+from ops.config import ConfigError, Settings, ensure_state_dir, read_context
+from ops.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
+from persistence.db import redact
+
+log = structlog.get_logger("fleetlease.system")
+
+
+class Unreachable(Exception):
+    """A configured server cannot be reached."""
+
+    code = "unavailable"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class AlreadyRunning(Exception):
+    code = "unavailable"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+async def check_database(url: str, timeout: float = 5.0) -> None:
+    import asyncpg
+    from sqlalchemy.engine import make_url
+
+    from persistence.db import async_url
+
+    u = make_url(async_url(url))
+    try:
+        conn = await asyncio.wait_for(
+            asyncpg.connect(
+                user=u.username,
+                password=u.password,
+                database=u.database,
+                host=u.query.get("host") or u.host,
+                port=u.port,
+            ),
+            timeout,
+        )
+        await conn.close()
+    except (OSError, TimeoutError, asyncpg.PostgresError, ValueError) as exc:
+        reason = str(exc) or type(exc).__name__
+        raise Unreachable(f"cannot reach PostgreSQL at {redact(url)}: {reason}") from exc
+
+
+async def check_nats(url: str, timeout: float = 5.0) -> None:
+    import nats
+
+    errors: list[str] = []
+
+    async def _err(exc: Exception) -> None:
+        errors.append(str(exc) or type(exc).__name__)
+
+    try:
+        nc = await nats.connect(
+            url,
+            connect_timeout=timeout,
+            max_reconnect_attempts=0,
+            allow_reconnect=False,
+            error_cb=_err,
+        )
+        await nc.close()
+    except Exception as exc:
+        reason = errors[0] if errors else (str(exc) or type(exc).__name__)
+        raise Unreachable(f"cannot reach NATS at {url}: {reason}") from exc
+
+
+@contextlib.contextmanager
+def single_instance(state_dir: Path, name: str = "up") -> Iterator[None]:
+    """Hold an exclusive lock on the state dir for the lifetime of the block."""
+    path = state_dir / f"{name}.lock"
+    fh: IO[str] = open(path, "a+")  # noqa: SIM115 - held for the whole block
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        pid = fh.read().strip() or "?"
+        fh.close()
+        raise AlreadyRunning(
+            f"another fleetlease {name} is running on {state_dir} (pid {pid}); stop it first"
+        ) from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(str(os.getpid()))
+    fh.flush()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            fh.seek(0)
+            fh.truncate()
+        fh.close()
+
+
+@dataclass
+class Services:
+    """The PostgreSQL and NATS a process uses, embedded ones started on demand."""
+
+    settings: Settings
+    need_nats: bool = True
+    database_url: str = ""
+    nats_url: str = ""
+    pg: EmbeddedPostgres | None = None
+    nats: EmbeddedNats | None = None
+    started: list[str] = field(default_factory=list)
+
+    def start(self) -> Services:
+        s = self.settings
+        ensure_state_dir(s.state_dir)
+        try:
+            if s.database_url:
+                self.database_url = s.database_url
+            else:
+                self.pg = EmbeddedPostgres(s.state_dir / "postgres")
+                self.database_url = self.pg.start()
+                self.started.append("postgres")
+            if s.nats_url or not self.need_nats:
+                self.nats_url = s.nats_url or ""
+            else:
+                previous = read_context(s.state_dir).get("nats_port")
+                self.nats = EmbeddedNats(
+                    s.state_dir / "nats", port=previous if isinstance(previous, int) else None
+                )
+                self.nats_url = self.nats.start()
+                self.started.append("nats")
+            asyncio.run(self._check())
+        except (EmbeddedError, Unreachable, ConfigError, OSError):
+            self.stop()
+            raise
+        return self
+
+    async def _check(self) -> None:
+        await check_database(self.database_url)
+        if self.nats_url:
+            await check_nats(self.nats_url)
+
+    def stop(self) -> None:
+        if self.nats is not None:
+            self.nats.stop()
+        if self.pg is not None:
+            self.pg.stop()
+
+    def __enter__(self) -> Services:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,37 @@
+"""Engine creation and URL handling."""
+
+from __future__ import annotations
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+
+def async_url(url: str) -> str:
+    """Accept ``postgresql://``, ``postgres://`` or ``postgresql+asyncpg://`` URLs
+    (including unix-socket ones, ``?host=/path``) and return the asyncpg form."""
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url[len("postgres://") :]
+    u = make_url(url)
+    if u.drivername in ("postgresql", "postgresql+psycopg2", "postgresql+psycopg"):
+        u = u.set(drivername="postgresql+asyncpg")
+    if u.drivername != "postgresql+asyncpg":
+        raise ValueError(f"unsupported database URL scheme {u.drivername!r}: use postgresql://")
+    return u.render_as_string(hide_password=False)
+
+
+def create_engine(url: str, *, pool_size: int = 10, **kwargs: object) -> AsyncEngine:
+    return create_async_engine(
+        async_url(url),
+        pool_size=pool_size,
+        max_overflow=kwargs.pop("max_overflow", 10),  # type: ignore[arg-type]
+        pool_pre_ping=True,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def redact(url: str) -> str:
+    """The URL with any password hidden, for logs and messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "<unparseable database URL>"

@@ -1,0 +1,153 @@
+"""Test fixtures: a real PostgreSQL and a real nats-server, never mocks.
+
+The servers named by FLEETLEASE_TEST_DATABASE_URL / FLEETLEASE_TEST_NATS_URL are
+used when set; otherwise embedded ones are started once per test session. Every
+test gets its own database, copied from a migrated template (procrastinate's
+approach), and its own NATS subject prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from ops.embedded import EmbeddedNats, EmbeddedPostgres
+from persistence.clock import ManualClock
+from persistence.db import async_url, create_engine
+
+T = TypeVar("T")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true", help="run the long soak tests")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--soak"):
+        return
+    skip = pytest.mark.skip(reason="soak test: run with --soak")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(skip)
+
+
+def run_async(fn: Callable[[], Awaitable[T]]) -> T:
+    """Run a coroutine to completion on a private loop in another thread, so that
+    it works from sync fixtures whatever loop pytest-asyncio has around."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: asyncio.run(fn())).result()  # type: ignore[arg-type]
+
+
+def with_database(url: str, database: str) -> str:
+    u = make_url(async_url(url))
+    return u.set(database=database).render_as_string(hide_password=False)
+
+
+async def _admin(url: str, *statements: str) -> None:
+    import asyncpg
+
+    u = make_url(async_url(url))
+    conn = await asyncpg.connect(
+        user=u.username,
+        password=u.password,
+        database=u.database,
+        host=u.query.get("host") or u.host,
+        port=u.port,
+    )
+    try:
+        for sql in statements:
+            await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+def pg_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of a PostgreSQL server database where we may create databases."""
+    url = os.environ.get("FLEETLEASE_TEST_DATABASE_URL")
+    if url:
+        yield url
+        return
+    pg = EmbeddedPostgres(tmp_path_factory.mktemp("embedded-pg"), database="postgres")
+    pg.start()
+    try:
+        yield pg.url
+    finally:
+        pg.stop("immediate")
+
+
+@pytest.fixture(scope="session")
+def template_database(pg_server_url: str) -> Iterator[str]:
+    """A migrated database that every test's database is copied from."""
+    from persistence.migrate import upgrade
+
+    name = f"fl_tpl_{uuid.uuid4().hex[:10]}"
+    run_async(lambda: _admin(pg_server_url, f'CREATE DATABASE "{name}"'))
+    run_async(lambda: upgrade(with_database(pg_server_url, name)))
+    try:
+        yield name
+    finally:
+        run_async(lambda: _admin(pg_server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+def db_url(pg_server_url: str, template_database: str) -> Iterator[str]:
+    """URL of a fresh, migrated database for this test only."""
+    name = f"fl_t_{uuid.uuid4().hex[:12]}"
+    run_async(
+        lambda: _admin(pg_server_url, f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+    )
+    try:
+        yield with_database(pg_server_url, name)
+    finally:
+        run_async(lambda: _admin(pg_server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
+    eng = create_engine(db_url, pool_size=20, max_overflow=60)
+    try:
+        yield eng
+    finally:
+        await eng.dispose()
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture(scope="session")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url = os.environ.get("FLEETLEASE_TEST_NATS_URL")
+    if url:
+        yield url
+        return
+    server = EmbeddedNats(tmp_path_factory.mktemp("embedded-nats"))
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def subject_prefix() -> str:
+    """A subject prefix of this test's own, so tests sharing a server never meet."""
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "state"
+    d.mkdir()
+    return d
