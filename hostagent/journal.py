@@ -1,0 +1,565 @@
+"""The host agent's local durable journal.
+
+Every assignment is written here and committed *before* the agent acks it, and
+every outcome is recorded here before it is reported, so that after a crash the
+agent can tell the control plane (at reconciliation) which attempts it holds and
+can repeat a terminal report with the same fingerprint.
+
+One SQLite file under the agent's state directory, WAL mode with
+``synchronous=FULL`` (a commit is on disk when it returns), mode 0600 because
+it holds lease tokens. A corrupt or truncated file never stops the agent: it is
+moved aside and a fresh journal is started; reconciliation with the control
+plane (the source of truth) resolves whatever was lost.
+
+The lease token is never logged: ``JournalRecord`` hides it from ``repr`` and
+no log event carries it.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import math
+import os
+import sqlite3
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import structlog
+
+from persistence.model import Outcome, TaskKind
+
+__all__ = [
+    "JOURNAL_FILENAME",
+    "SCHEMA_VERSION",
+    "EntryState",
+    "Journal",
+    "JournalError",
+    "JournalRecord",
+    "UnknownEntry",
+    "canonical_json",
+    "result_fingerprint",
+]
+
+log = structlog.get_logger(__name__)
+
+#: File name of the journal inside the agent's state directory.
+JOURNAL_FILENAME = "journal.sqlite3"
+#: Stored in ``PRAGMA user_version``; a file with another non-zero version is
+#: treated like a corrupt one (moved aside), never migrated in place.
+SCHEMA_VERSION = 1
+
+# SQLite primary result codes meaning "the bytes on disk are not a usable
+# database". Anything else (locked, I/O error, permission, disk full) is not
+# fixed by moving the file aside, so it is raised instead.
+_SQLITE_CORRUPT = 11
+_SQLITE_NOTADB = 26
+
+
+class EntryState(enum.StrEnum):
+    ACCEPTED = "accepted"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class JournalError(Exception):
+    """The journal could not complete an operation."""
+
+    def __init__(self, message: str | None = None, **fields: Any) -> None:
+        self.message = message or (self.__doc__ or "journal error").strip()
+        self.fields = fields
+        super().__init__(self.message)
+
+
+class UnknownEntry(JournalError):
+    """No journal entry for this task attempt."""
+
+    def __init__(self, task_id: str, attempt: int) -> None:
+        super().__init__(
+            f"no journal entry for task {task_id!r} attempt {attempt}",
+            task_id=task_id,
+            attempt=attempt,
+        )
+        self.task_id = task_id
+        self.attempt = attempt
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JournalRecord:
+    """One attempt the agent holds. The outcome fields are set only once the
+    attempt is ``finished``; ``fingerprint`` is what the agent reports with the
+    result and must repeat unchanged on every retry of that report."""
+
+    task_id: str
+    attempt: int
+    lease_id: str
+    lease_token: str = field(repr=False)
+    device_id: str
+    kind: TaskKind
+    goal: str | None = None
+    workflow: str | None = None
+    payload: dict[str, Any] = field(default_factory=dict)
+    lease_s: float
+    state: EntryState = EntryState.ACCEPTED
+    outcome: Outcome | None = None
+    retryable: bool = False
+    reason: str = ""
+    result: dict[str, Any] = field(default_factory=dict)
+    fingerprint: str | None = None
+    created_at: datetime = field(default_factory=_utcnow)
+
+    def __post_init__(self) -> None:
+        if not self.task_id:
+            raise ValueError("task_id must be non-empty")
+        if isinstance(self.attempt, bool) or not isinstance(self.attempt, int):
+            raise ValueError(f"attempt must be an int, got {type(self.attempt).__name__}")
+        if self.attempt < 1:
+            raise ValueError(f"attempt must be >= 1, got {self.attempt}")
+        if not math.isfinite(self.lease_s) or self.lease_s <= 0:
+            raise ValueError(f"lease_s must be a positive number, got {self.lease_s!r}")
+        if self.created_at.tzinfo is None:
+            raise ValueError("created_at must be timezone-aware")
+        finished = self.state is EntryState.FINISHED
+        if finished != (self.outcome is not None and self.fingerprint is not None):
+            raise ValueError("outcome and fingerprint are set exactly when state is 'finished'")
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.task_id, self.attempt)
+
+
+def canonical_json(value: Any) -> str:
+    """The one JSON form used for fingerprints: sorted keys, no whitespace,
+    UTF-8 text, no NaN/Infinity. Raises ``ValueError`` if ``value`` is not
+    plain JSON data."""
+    try:
+        return json.dumps(
+            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        )
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"not JSON-serialisable: {exc}") from exc
+
+
+def result_fingerprint(
+    *,
+    task_id: str,
+    attempt: int,
+    outcome: Outcome,
+    retryable: bool,
+    reason: str,
+    result: Mapping[str, Any],
+) -> str:
+    """SHA-256 hex of the canonical JSON array
+    ``[task_id, attempt, outcome, retryable, reason, result]``.
+
+    Deterministic across processes and Python versions, so the control plane can
+    recompute it from the same fields. ``result`` must be plain JSON data."""
+    canonical = canonical_json(
+        [task_id, attempt, str(Outcome(outcome)), bool(retryable), reason, dict(result)]
+    )
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    task_id     TEXT    NOT NULL,
+    attempt     INTEGER NOT NULL,
+    lease_id    TEXT    NOT NULL,
+    lease_token TEXT    NOT NULL,
+    device_id   TEXT    NOT NULL,
+    kind        TEXT    NOT NULL,
+    goal        TEXT,
+    workflow    TEXT,
+    payload     TEXT    NOT NULL,
+    lease_s     REAL    NOT NULL,
+    state       TEXT    NOT NULL,
+    outcome     TEXT,
+    retryable   INTEGER NOT NULL DEFAULT 0,
+    reason      TEXT    NOT NULL DEFAULT '',
+    result      TEXT    NOT NULL DEFAULT '{}',
+    fingerprint TEXT,
+    created_at  TEXT    NOT NULL,
+    PRIMARY KEY (task_id, attempt)
+)
+"""
+
+_COLUMNS = (
+    "task_id, attempt, lease_id, lease_token, device_id, kind, goal, workflow, payload, "
+    "lease_s, state, outcome, retryable, reason, result, fingerprint, created_at"
+)
+
+
+def _from_row(row: tuple[Any, ...]) -> JournalRecord:
+    (
+        task_id,
+        attempt,
+        lease_id,
+        lease_token,
+        device_id,
+        kind,
+        goal,
+        workflow,
+        payload,
+        lease_s,
+        state,
+        outcome,
+        retryable,
+        reason,
+        result,
+        fingerprint,
+        created_at,
+    ) = row
+    return JournalRecord(
+        task_id=task_id,
+        attempt=int(attempt),
+        lease_id=lease_id,
+        lease_token=lease_token,
+        device_id=device_id,
+        kind=TaskKind(kind),
+        goal=goal,
+        workflow=workflow,
+        payload=json.loads(payload),
+        lease_s=float(lease_s),
+        state=EntryState(state),
+        outcome=Outcome(outcome) if outcome is not None else None,
+        retryable=bool(retryable),
+        reason=reason,
+        result=json.loads(result),
+        fingerprint=fingerprint,
+        created_at=datetime.fromisoformat(created_at),
+    )
+
+
+class _Corrupt(Exception):
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+def _is_corruption(exc: sqlite3.Error) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return (code & 0xFF) in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
+    # Without an error code, only these messages are known to mean corruption.
+    text = str(exc).lower()
+    return "malformed" in text or "not a database" in text
+
+
+class Journal:
+    """The durable journal. Thread-safe: every method may be called from any
+    thread (the agent calls it from an executor), and each write is one
+    committed, fsynced transaction when the method returns.
+
+    Usable as a context manager; ``close()`` is idempotent and any other call
+    after it raises ``JournalError``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._path = Path(path)
+        self._lock = threading.RLock()
+        self._conn: sqlite3.Connection | None = self._open()
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @classmethod
+    def in_state_dir(cls, state_dir: str | os.PathLike[str]) -> Journal:
+        """The journal at ``<state_dir>/journal.sqlite3``, creating the directory
+        (mode 0700) if needed."""
+        directory = Path(state_dir)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return cls(directory / JOURNAL_FILENAME)
+
+    # -- opening and recovery -------------------------------------------------
+
+    def _open(self) -> sqlite3.Connection:
+        try:
+            return self._connect()
+        except _Corrupt as exc:
+            detail = exc.detail
+        except sqlite3.Error as exc:
+            if not _is_corruption(exc):
+                raise JournalError(
+                    f"cannot open journal {self._path}: {exc}", path=str(self._path)
+                ) from exc
+            detail = str(exc)
+        except OSError as exc:
+            raise JournalError(
+                f"cannot open journal {self._path}: {exc}", path=str(self._path)
+            ) from exc
+        moved_to = self._move_aside()
+        log.warning(
+            "journal_corrupt_recovered",
+            path=str(self._path),
+            moved_to=str(moved_to),
+            error=detail,
+        )
+        try:
+            return self._connect()
+        except (sqlite3.Error, _Corrupt, OSError) as exc:
+            raise JournalError(
+                f"cannot create a fresh journal at {self._path}: {exc}", path=str(self._path)
+            ) from exc
+
+    def _connect(self) -> sqlite3.Connection:
+        self._path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Create the file ourselves so it never exists with a wider mode, and
+        # tighten an existing one: it holds lease tokens. SQLite gives the -wal
+        # and -shm files the database file's permissions.
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+        # isolation_level=None: transactions are explicit (see _transaction),
+        # never opened implicitly by the driver.
+        conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            rows = conn.execute("PRAGMA integrity_check").fetchall()
+            if [r[0] for r in rows] != ["ok"]:
+                raise _Corrupt("integrity_check: " + "; ".join(str(r[0]) for r in rows[:5]))
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version not in (0, SCHEMA_VERSION):
+                raise _Corrupt(f"unknown journal schema version {version}")
+            conn.execute(_SCHEMA)
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _move_aside(self) -> Path:
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+        target = self._path.with_name(f"{self._path.name}.corrupt-{stamp}")
+        n = 1
+        while target.exists():
+            target = self._path.with_name(f"{self._path.name}.corrupt-{stamp}-{n}")
+            n += 1
+        os.replace(self._path, target)
+        # The WAL belongs to the bad file: keep it beside it for inspection, so
+        # SQLite never replays it into the fresh journal. The -shm is only an
+        # index of the WAL and is rebuilt.
+        wal = self._path.with_name(self._path.name + "-wal")
+        if wal.exists():
+            os.replace(wal, target.with_name(target.name + "-wal"))
+        shm = self._path.with_name(self._path.name + "-shm")
+        shm.unlink(missing_ok=True)
+        return target
+
+    # -- plumbing ---------------------------------------------------------------
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                raise JournalError("journal is closed", path=str(self._path))
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield conn
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                raise JournalError(f"journal write failed: {exc}", path=str(self._path)) from exc
+
+    @contextmanager
+    def _reading(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                raise JournalError("journal is closed", path=str(self._path))
+            try:
+                yield conn
+            except sqlite3.Error as exc:
+                raise JournalError(f"journal read failed: {exc}", path=str(self._path)) from exc
+
+    # -- operations ---------------------------------------------------------------
+
+    def add(self, record: JournalRecord) -> bool:
+        """Store ``record`` durably. Idempotent on ``(task_id, attempt)``: if an
+        entry exists already it is left unchanged and ``False`` is returned."""
+        payload = canonical_json(record.payload)
+        result = canonical_json(record.result)
+        with self._transaction() as conn:
+            cur = conn.execute(
+                f"INSERT OR IGNORE INTO entries ({_COLUMNS}) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record.task_id,
+                    record.attempt,
+                    record.lease_id,
+                    record.lease_token,
+                    record.device_id,
+                    str(record.kind),
+                    record.goal,
+                    record.workflow,
+                    payload,
+                    record.lease_s,
+                    str(record.state),
+                    str(record.outcome) if record.outcome is not None else None,
+                    int(record.retryable),
+                    record.reason,
+                    result,
+                    record.fingerprint,
+                    record.created_at.isoformat(),
+                ),
+            )
+            inserted = cur.rowcount == 1
+        log.debug(
+            "journal_entry_added",
+            task_id=record.task_id,
+            attempt=record.attempt,
+            inserted=inserted,
+        )
+        return inserted
+
+    def get(self, task_id: str, attempt: int) -> JournalRecord | None:
+        with self._reading() as conn:
+            row = conn.execute(
+                f"SELECT {_COLUMNS} FROM entries WHERE task_id = ? AND attempt = ?",
+                (task_id, attempt),
+            ).fetchone()
+        return _from_row(row) if row is not None else None
+
+    def entries(self) -> list[JournalRecord]:
+        """Every entry, oldest first."""
+        with self._reading() as conn:
+            rows = conn.execute(
+                f"SELECT {_COLUMNS} FROM entries ORDER BY created_at, task_id, attempt"
+            ).fetchall()
+        return [_from_row(r) for r in rows]
+
+    def mark_running(self, task_id: str, attempt: int) -> bool:
+        """Move an ``accepted`` entry to ``running``. Returns whether it moved;
+        an entry already running or finished is left as it is. Raises
+        ``UnknownEntry`` if there is no such entry."""
+        with self._transaction() as conn:
+            cur = conn.execute(
+                "UPDATE entries SET state = ? WHERE task_id = ? AND attempt = ? AND state = ?",
+                (str(EntryState.RUNNING), task_id, attempt, str(EntryState.ACCEPTED)),
+            )
+            if cur.rowcount == 0 and not self._exists(conn, task_id, attempt):
+                raise UnknownEntry(task_id, attempt)
+            moved = cur.rowcount == 1
+        log.debug("journal_entry_running", task_id=task_id, attempt=attempt, moved=moved)
+        return moved
+
+    def record_result(
+        self,
+        task_id: str,
+        attempt: int,
+        outcome: Outcome,
+        retryable: bool,
+        reason: str,
+        result: Mapping[str, Any],
+    ) -> str:
+        """Record the attempt's outcome and return its fingerprint.
+
+        The first recorded result wins: once an entry is finished, later calls
+        change nothing and return the first fingerprint, so a repeated report is
+        always byte-identical. Raises ``UnknownEntry`` if there is no such
+        entry and ``ValueError`` if ``result`` is not plain JSON data.
+        """
+        outcome = Outcome(outcome)
+        # Round-trip through JSON so what is stored, what is fingerprinted and
+        # what a reopened journal returns are the same value (tuples -> lists).
+        plain: dict[str, Any] = json.loads(canonical_json(dict(result)))
+        fingerprint = result_fingerprint(
+            task_id=task_id,
+            attempt=attempt,
+            outcome=outcome,
+            retryable=retryable,
+            reason=reason,
+            result=plain,
+        )
+        with self._transaction() as conn:
+            row = conn.execute(
+                "SELECT fingerprint FROM entries WHERE task_id = ? AND attempt = ?",
+                (task_id, attempt),
+            ).fetchone()
+            if row is None:
+                raise UnknownEntry(task_id, attempt)
+            if row[0] is not None:
+                existing: str = row[0]
+                replayed = True
+            else:
+                conn.execute(
+                    "UPDATE entries SET state = ?, outcome = ?, retryable = ?, reason = ?, "
+                    "result = ?, fingerprint = ? WHERE task_id = ? AND attempt = ?",
+                    (
+                        str(EntryState.FINISHED),
+                        str(outcome),
+                        int(bool(retryable)),
+                        reason,
+                        canonical_json(plain),
+                        fingerprint,
+                        task_id,
+                        attempt,
+                    ),
+                )
+                existing = fingerprint
+                replayed = False
+        log.debug(
+            "journal_result_recorded",
+            task_id=task_id,
+            attempt=attempt,
+            outcome=str(outcome),
+            fingerprint=existing,
+            replayed=replayed,
+        )
+        return existing
+
+    def remove(self, task_id: str, attempt: int) -> bool:
+        """Delete the entry; returns whether one existed. Idempotent."""
+        with self._transaction() as conn:
+            cur = conn.execute(
+                "DELETE FROM entries WHERE task_id = ? AND attempt = ?", (task_id, attempt)
+            )
+            removed = cur.rowcount == 1
+        log.debug("journal_entry_removed", task_id=task_id, attempt=attempt, removed=removed)
+        return removed
+
+    def close(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                conn.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._conn is None
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @staticmethod
+    def _exists(conn: sqlite3.Connection, task_id: str, attempt: int) -> bool:
+        row = conn.execute(
+            "SELECT 1 FROM entries WHERE task_id = ? AND attempt = ?", (task_id, attempt)
+        ).fetchone()
+        return row is not None
