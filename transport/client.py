@@ -68,6 +68,7 @@ class HostClient:
         self._on_reconnect = on_reconnect
         self._connect_options = dict(connect_options or {})
         self._conns: dict[Channel, NatsClient] = {}
+        self._bg: set[asyncio.Future[None]] = set()
         self._signer: Signer | None = None
         self.generation: int | None = None
         self.lease_s: float | None = None
@@ -82,7 +83,10 @@ class HostClient:
         async def reconnected() -> None:
             log.info("nats_reconnected", host_id=self.host_id, channel=channel.value)
             if channel is Channel.CONTROL and self._on_reconnect is not None:
-                asyncio.ensure_future(self._on_reconnect())
+                # The agent re-registers and reconciles; keep a reference so the
+                # task is not collected mid-flight.
+                self._bg.add(task := asyncio.ensure_future(self._on_reconnect()))
+                task.add_done_callback(self._bg.discard)
 
         async def on_error(exc: Exception) -> None:
             log.warning(
