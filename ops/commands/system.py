@@ -12,7 +12,7 @@ from typing import Any
 
 import structlog
 
-from ops.cli import EXIT_OK, EXIT_UNAVAILABLE, CliError, add_common
+from ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError, add_common
 from ops.config import ensure_state_dir, from_args, write_context
 from ops.logging import configure_logging
 from ops.system import AlreadyRunning, Services, Unreachable, check_database, single_instance
@@ -31,6 +31,16 @@ def register(sub: Any) -> None:
     p.add_argument("--devices", type=int, default=4, help="simulated devices of the local agent")
     p.add_argument("--demo", action="store_true", help="keep submitting a mix of demo tasks")
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("serve", help="run the control plane (actors + NATS handlers)")
+    add_common(p)
+    p.add_argument("--lease-s", type=float, default=30.0, help="execution lease period")
+    p.add_argument("--claim-s", type=float, default=30.0, help="time a host has to claim")
+    p.add_argument("--ack-s", type=float, default=15.0, help="time a host has to ack")
+    p.add_argument(
+        "--liveness-s", type=float, default=30.0, help="a host unseen this long gets no new work"
+    )
+    p.set_defaults(func=cmd_serve)
 
 
 def _migrate(url: str) -> None:
@@ -113,6 +123,58 @@ def cmd_up(args: argparse.Namespace) -> int:
             print("Ctrl-C stops everything.", flush=True)
             wait(stop)
             print("fleetlease up: stopping", flush=True)
+    except (AlreadyRunning, Unreachable) as exc:
+        raise CliError(exc.message, EXIT_UNAVAILABLE) from exc
+    return EXIT_OK
+
+
+def timings_from_args(args: argparse.Namespace) -> Any:
+    from persistence.model import LeaseTimings
+
+    for name in ("lease_s", "claim_s", "ack_s", "liveness_s"):
+        value = getattr(args, name)
+        if not value > 0:
+            raise CliError(f"--{name.replace('_', '-')} must be positive", EXIT_USAGE)
+    return LeaseTimings(
+        claim_s=args.claim_s, ack_s=args.ack_s, lease_s=args.lease_s, liveness_s=args.liveness_s
+    )
+
+
+async def run_control_plane(
+    settings: Any, services: Services, timings: Any, stop: threading.Event, on_ready: Any = None
+) -> None:
+    from ops.service import ControlPlaneService
+
+    service = ControlPlaneService(
+        database_url=services.database_url,
+        nats_url=services.nats_url,
+        state_dir=settings.state_dir,
+        prefix=settings.prefix,
+        timings=timings,
+    )
+    await service.start()
+    try:
+        if on_ready is not None:
+            await on_ready(service)
+        while not stop.is_set():
+            await asyncio.sleep(0.2)  # poll of a threading.Event set by a signal handler
+    finally:
+        await service.stop()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    settings = from_args(args)
+    configure_logging(debug=settings.debug)
+    timings = timings_from_args(args)
+    try:
+        ensure_state_dir(settings.state_dir)
+        with stop_signals() as stop, Services(settings) as services:
+            print(
+                f"fleetlease serve: PostgreSQL {redact(services.database_url)}, "
+                f"NATS {services.nats_url}, prefix {settings.prefix}",
+                flush=True,
+            )
+            asyncio.run(run_control_plane(settings, services, timings, stop))
     except (AlreadyRunning, Unreachable) as exc:
         raise CliError(exc.message, EXIT_UNAVAILABLE) from exc
     return EXIT_OK

@@ -1,0 +1,109 @@
+"""The control-plane process: repository, actor system, NATS server and user API,
+started and stopped in order. ``fleetlease serve``, ``fleetlease up``, the
+benchmarks and the end-to-end tests all build the system through this."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from persistence.clock import Clock, SystemClock
+from persistence.db import create_engine
+from persistence.migrate import upgrade_engine
+from persistence.model import LeaseTimings
+from persistence.repository import Repository
+from transport.auth import ServerSecret
+from transport.subjects import Subjects
+
+log = structlog.get_logger("fleetlease.service")
+
+
+@dataclass(kw_only=True)
+class ControlPlaneService:
+    database_url: str
+    nats_url: str
+    state_dir: Path
+    prefix: str = "fleetlease"
+    clock: Clock = field(default_factory=SystemClock)
+    timings: LeaseTimings = field(default_factory=LeaseTimings)
+    heartbeat_s: float = 5.0
+    scheduler_interval_s: float = 1.0
+    migrate: bool = True
+    pool_size: int = 20
+
+    engine: AsyncEngine | None = None
+    repo: Repository | None = None
+    control_plane: Any = None
+    server: Any = None
+    ops: Any = None
+
+    async def start(self) -> ControlPlaneService:
+        from actors.runtime import ControlPlane
+
+        from transport.server import Server
+
+        try:
+            self.engine = create_engine(
+                self.database_url, pool_size=self.pool_size, max_overflow=self.pool_size
+            )
+            if self.migrate:
+                await upgrade_engine(self.engine)
+            self.repo = Repository(self.engine, self.clock, self.timings)
+            self.control_plane = ControlPlane(
+                self.repo,
+                loop=asyncio.get_running_loop(),
+                clock=self.clock,
+                timings=self.timings,
+                scheduler_interval_s=self.scheduler_interval_s,
+            )
+            await self.control_plane.start()
+            secret = ServerSecret.load_or_create(self.state_dir / "server.secret")
+            self.ops = self._ops_api()
+            self.server = Server(
+                nats_url=self.nats_url,
+                control_plane=self.control_plane,
+                repo=self.repo,
+                server_secret=secret.value,
+                subjects=Subjects(self.prefix),
+                ops=self.ops,
+                timings=self.timings,
+                heartbeat_s=self.heartbeat_s,
+            )
+            await self.server.start()
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("control_plane_started", prefix=self.prefix)
+        return self
+
+    def _ops_api(self) -> Any:
+        try:
+            from ops.api import OpsApi
+        except ModuleNotFoundError:
+            return None
+        return OpsApi(repo=self.repo, control_plane=self.control_plane, service=self)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                await self.server.stop()
+            self.server = None
+        if self.control_plane is not None:
+            with contextlib.suppress(Exception):
+                await self.control_plane.stop()
+            self.control_plane = None
+        if self.engine is not None:
+            await self.engine.dispose()
+            self.engine = None
+
+    async def __aenter__(self) -> ControlPlaneService:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
