@@ -156,8 +156,8 @@ async def run_control_plane(
     try:
         if on_ready is not None:
             await on_ready(service)
-        while not stop.is_set():
-            await asyncio.sleep(0.2)  # poll of a threading.Event set by a signal handler
+        # The event is set by the SIGINT/SIGTERM handler on the main thread.
+        await asyncio.to_thread(stop.wait)
     finally:
         await service.stop()
 
