@@ -1,0 +1,622 @@
+"""The user API behind the ops subjects: authentication, authorization, argument
+validation and the safe projection.
+
+``OpsApi.handle(verb, token, args)`` is what ``transport.server.Server`` calls for
+every request on ``{prefix}.ops.{verb}``. It authenticates the user token, checks
+the arguments (``Invalid(field=...)`` naming the culprit), asks the repository or
+the actor system, and returns plain msgpack-able data.
+
+Safe projection: every record that leaves here is rebuilt field by field from an
+allow-list (``project_task``, ``project_attempt``, ``project_host`` ...), so a
+column the repository happens to select (a lease token hash, a credential hash,
+a session generation key) can never reach a user. The only secrets ever
+returned are the one-time token of ``user_add`` and the one-time credential of
+``host_add``, which is what those verbs are for.
+
+Roles: a task can be read and cancelled by its owner, an admin (or the owner) of
+its project, or a platform admin; anyone else gets ``forbidden`` and nothing is
+written (the repository enforces this in the same transaction). Submitting into
+a project needs one of those roles on the project. Administrative verbs
+(``user_add``, ``project_add``, ``host_add``, ``host_revoke``, ``host_list``) need
+a platform admin.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from enum import Enum
+from typing import Any, Protocol
+
+import sqlalchemy as sa
+import structlog
+
+from persistence import tables as t
+from persistence.errors import Forbidden, Invalid, NotFound, Unauthorized
+from persistence.model import RetryPolicy, TaskKind, TaskSpec, TaskState, User
+from persistence.repository import Repository
+from transport.subjects import is_valid_token
+
+log = structlog.get_logger("fleetlease.ops")
+
+MAX_BATCH = 1000
+MAX_LIST = 1000
+MAX_LOG_PAGE = 1000
+MAX_TEXT = 4096
+MAX_NAME = 128
+#: An artifact travels in slices well under NATS's default 1 MiB payload limit.
+MAX_ARTIFACT_SLICE = 512 * 1024
+
+ADMIN_VERBS = frozenset({"user_add", "project_add", "host_add", "host_revoke", "host_list"})
+
+
+class ControlPlaneLike(Protocol):
+    """What the API needs of ``actors.runtime.ControlPlane``."""
+
+    async def submit(self, spec: TaskSpec) -> str: ...
+
+    async def submit_many(self, specs: Sequence[TaskSpec]) -> list[str]: ...
+
+    async def cancel(self, task_id: str, user: User) -> Any: ...
+
+
+# --- the safe projection ------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """A value as msgpack/JSON can carry it: datetimes as ISO 8601 strings,
+    enums and UUIDs as their strings, containers converted recursively."""
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, Enum):
+        return _plain(value.value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_plain(v) for v in value]
+    if isinstance(value, bytes | bytearray | memoryview):
+        # Bytes are never part of a projection (hashes are bytes): drop them.
+        return None
+    return str(value)
+
+
+def _first(raw: Mapping[str, Any], *names: str) -> Any:
+    for name in names:
+        if name in raw and raw[name] is not None:
+            return raw[name]
+    return None
+
+
+def project_attempt(raw: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "number": _plain(_first(raw, "number", "attempt")),
+        "host_id": _plain(raw.get("host_id")),
+        "device_id": _plain(raw.get("device_id")),
+        "lease_id": _plain(raw.get("lease_id")),
+        "assigned_at": _plain(raw.get("assigned_at")),
+        "started_at": _plain(_first(raw, "started_at", "acked_at", "claimed_at")),
+        "ended_at": _plain(raw.get("ended_at")),
+        "end_reason": _plain(raw.get("end_reason")),
+        "lease_expires_at": _plain(raw.get("lease_expires_at")),
+    }
+
+
+def _cancel_of(raw: Mapping[str, Any]) -> dict[str, Any]:
+    cancel = raw.get("cancel")
+    if isinstance(cancel, Mapping):
+        at = _first(cancel, "at", "requested_at")
+        by = _first(cancel, "by", "requested_by")
+        requested = bool(cancel.get("requested", at is not None))
+    else:
+        at = raw.get("cancel_requested_at")
+        by = raw.get("cancel_requested_by")
+        requested = at is not None
+    return {"requested": requested, "by": _plain(by), "at": _plain(at)}
+
+
+def _reconcile_of(raw: Mapping[str, Any]) -> dict[str, Any] | None:
+    rec = raw.get("reconcile")
+    if isinstance(rec, Mapping):
+        outcome, at = _first(rec, "outcome"), _first(rec, "at", "reconciled_at")
+    else:
+        outcome, at = raw.get("reconcile_outcome"), raw.get("reconciled_at")
+    if outcome is None and at is None:
+        return None
+    return {"outcome": _plain(outcome), "at": _plain(at)}
+
+
+def project_task(raw: Mapping[str, Any], *, with_attempts: bool = True) -> dict[str, Any]:
+    """The documented task shape (README, "JSON output"), from whatever the
+    repository returned, by allow-list."""
+    state = _plain(_first(raw, "state", "status"))
+    retry_at = raw.get("retry_at")
+    if retry_at is None and state == TaskState.RETRYING.value:
+        retry_at = raw.get("eligible_at")
+    out: dict[str, Any] = {
+        "id": _plain(_first(raw, "id", "task_id")),
+        "state": state,
+        "kind": _plain(raw.get("kind")),
+        "goal": _plain(raw.get("goal")),
+        "workflow": _plain(raw.get("workflow")),
+        "project": _plain(raw.get("project")),
+        "owner": _plain(raw.get("owner")),
+        "priority": _plain(raw.get("priority")),
+        "attempt": _plain(raw.get("attempt")),
+        "max_attempts": _plain(raw.get("max_attempts")),
+        "host_id": _plain(raw.get("host_id")),
+        "device_id": _plain(raw.get("device_id")),
+        "retry_at": _plain(retry_at),
+        "cancel": _cancel_of(raw),
+        "result": _plain(raw.get("result")),
+        "terminal_reason": _plain(_first(raw, "terminal_reason", "reason")),
+        "reconcile": _reconcile_of(raw),
+        "created_at": _plain(raw.get("created_at")),
+        "updated_at": _plain(raw.get("updated_at")),
+        "finished_at": _plain(raw.get("finished_at")),
+    }
+    attempts = raw.get("attempts")
+    if with_attempts:
+        out["payload"] = _plain(raw.get("payload"))
+        out["selector"] = _plain(raw.get("selector"))
+        out["attempts"] = [project_attempt(a) for a in (attempts or []) if isinstance(a, Mapping)]
+        if out["host_id"] is None and out["attempts"]:
+            last = out["attempts"][-1]
+            out["host_id"], out["device_id"] = last["host_id"], last["device_id"]
+    return out
+
+
+def project_host(raw: Mapping[str, Any]) -> dict[str, Any]:
+    devices = raw.get("devices")
+    if isinstance(devices, list | tuple):
+        devices = len(devices)
+    return {
+        "host_id": _plain(raw.get("host_id")),
+        "live": bool(raw.get("live")),
+        "last_seen": _plain(raw.get("last_seen")),
+        "session_generation": _plain(raw.get("session_generation")),
+        "devices": _plain(devices) if devices is not None else 0,
+        "revoked": bool(raw.get("revoked") or raw.get("revoked_at")),
+        "created_at": _plain(raw.get("created_at")),
+    }
+
+
+def project_device(raw: Mapping[str, Any]) -> dict[str, Any]:
+    caps = raw.get("capabilities")
+    return {
+        "host_id": _plain(raw.get("host_id")),
+        "device_id": _plain(raw.get("device_id")),
+        "state": _plain(raw.get("state")),
+        "capabilities": _plain(caps) if isinstance(caps, Mapping) else {},
+        "task_id": _plain(raw.get("task_id")),
+        "live": _plain(raw.get("live")),
+    }
+
+
+def project_log_line(raw: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "id": _plain(raw.get("id")),
+        "attempt": _plain(raw.get("attempt")),
+        "seq": _plain(raw.get("seq")),
+        "ts": _plain(raw.get("ts")),
+        "line": _plain(raw.get("line")),
+    }
+
+
+def project_artifact(raw: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "task_id": _plain(raw.get("task_id")),
+        "attempt": _plain(raw.get("attempt")),
+        "name": _plain(raw.get("name")),
+        "size": _plain(raw.get("size")),
+        "sha256": _plain(raw.get("sha256")),
+        "created_at": _plain(raw.get("created_at")),
+    }
+
+
+def project_cancel(record: Any) -> dict[str, Any]:
+    """A ``CancelRecord`` (or an equivalent mapping) as the ``cancel`` reply."""
+    if isinstance(record, Mapping):
+        get: Callable[[str], Any] = record.get
+    else:
+
+        def get(name: str) -> Any:
+            return getattr(record, name, None)
+
+    return {
+        "id": _plain(_first_of(get, "task_id", "id")),
+        "state": _plain(get("state")),
+        "cancel": {
+            "requested": True,
+            "by": _plain(get("requested_by")),
+            "at": _plain(get("requested_at")),
+        },
+        "completed": bool(get("completed")),
+    }
+
+
+def _first_of(get: Callable[[str], Any], *names: str) -> Any:
+    for name in names:
+        value = get(name)
+        if value is not None:
+            return value
+    return None
+
+
+# --- argument validation ------------------------------------------------------------
+
+
+class Args:
+    """Typed, named access to a request's ``args``; every error names the field."""
+
+    def __init__(self, args: Any, allowed: Sequence[str]) -> None:
+        if not isinstance(args, Mapping):
+            raise Invalid("args must be a map", field="args")
+        unknown = sorted(set(args) - set(allowed))
+        if unknown:
+            raise Invalid(f"unknown argument {unknown[0]!r}", field=str(unknown[0]))
+        self._args = args
+
+    def present(self, name: str) -> bool:
+        return self._args.get(name) is not None
+
+    def text(
+        self, name: str, *, required: bool = False, max_len: int = MAX_TEXT, default: Any = None
+    ) -> Any:
+        value = self._args.get(name)
+        if value is None:
+            if required:
+                raise Invalid(f"{name} is required", field=name)
+            return default
+        if not isinstance(value, str):
+            raise Invalid(f"{name} must be a string", field=name)
+        if not 1 <= len(value) <= max_len:
+            raise Invalid(f"{name} must be 1..{max_len} characters", field=name)
+        if not value.isprintable():
+            raise Invalid(f"{name} must not contain control characters", field=name)
+        return value
+
+    def name(self, name: str, *, required: bool = False, default: Any = None) -> Any:
+        """A user, project or host name: a subject-safe token."""
+        value = self.text(name, required=required, max_len=64, default=default)
+        if value is not None and not is_valid_token(value):
+            raise Invalid(f"{name} must be 1..64 characters of [A-Za-z0-9_-]", field=name)
+        return value
+
+    def task_id(self, name: str = "id") -> str:
+        value = self.text(name, required=True, max_len=64)
+        try:
+            return str(uuid.UUID(value))
+        except ValueError:
+            raise Invalid(f"{name} must be a task id (a UUID)", field=name) from None
+
+    def integer(self, name: str, *, lo: int, hi: int, default: Any = None) -> Any:
+        value = self._args.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise Invalid(f"{name} must be an integer", field=name)
+        if not lo <= value <= hi:
+            raise Invalid(f"{name} must be in {lo}..{hi}", field=name)
+        return value
+
+    def number(self, name: str, *, lo: float, hi: float, default: Any = None) -> Any:
+        value = self._args.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise Invalid(f"{name} must be a number", field=name)
+        if not lo <= float(value) <= hi:
+            raise Invalid(f"{name} must be in {lo}..{hi}", field=name)
+        return float(value)
+
+    def flag(self, name: str) -> bool:
+        value = self._args.get(name, False)
+        if not isinstance(value, bool):
+            raise Invalid(f"{name} must be true or false", field=name)
+        return value
+
+    def names(self, name: str, *, choices: frozenset[str] | None = None) -> list[str]:
+        value = self._args.get(name)
+        if value is None:
+            return []
+        if not isinstance(value, list) or len(value) > 64:
+            raise Invalid(f"{name} must be a list of at most 64 names", field=name)
+        out: list[str] = []
+        for item in value:
+            if not isinstance(item, str) or not is_valid_token(item):
+                raise Invalid(f"{name} must hold names of [A-Za-z0-9_-]", field=name)
+            if choices is not None and item not in choices:
+                raise Invalid(f"{name}: {item!r} is not one of {sorted(choices)}", field=name)
+            out.append(item)
+        return out
+
+    def str_map(self, name: str) -> dict[str, str]:
+        value = self._args.get(name)
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping) or len(value) > 64:
+            raise Invalid(f"{name} must be a map of at most 64 entries", field=name)
+        for k, v in value.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise Invalid(f"{name} must map strings to strings", field=name)
+            if not 1 <= len(k) <= MAX_NAME or len(v) > MAX_TEXT:
+                raise Invalid(f"{name} has an empty or over-long key or value", field=name)
+        return dict(value)
+
+    def doc(self, name: str) -> dict[str, Any]:
+        value = self._args.get(name)
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise Invalid(f"{name} must be a JSON object", field=name)
+        return dict(value)
+
+
+_STATES = frozenset(s.value for s in TaskState)
+
+
+# --- the API ------------------------------------------------------------------------
+
+
+class OpsApi:
+    """Serves the ops verbs for one control plane."""
+
+    def __init__(
+        self, *, repo: Repository, control_plane: ControlPlaneLike, service: Any = None
+    ) -> None:
+        if repo is None:
+            raise ValueError("repo is required")
+        if control_plane is None:
+            raise ValueError("control_plane is required")
+        self.repo = repo
+        self.cp = control_plane
+        self.service = service
+        self._verbs: dict[str, Callable[[User, Any], Any]] = {
+            "whoami": self.whoami,
+            "submit": self.submit,
+            "tasks": self.tasks,
+            "task_show": self.task_show,
+            "cancel": self.cancel,
+            "logs": self.logs,
+            "artifacts": self.artifacts,
+            "artifact_get": self.artifact_get,
+            "hosts": self.hosts,
+            "devices": self.devices,
+            "host_add": self.host_add,
+            "host_revoke": self.host_revoke,
+            "host_list": self.host_list,
+            "user_add": self.user_add,
+            "project_add": self.project_add,
+        }
+
+    @property
+    def verbs(self) -> frozenset[str]:
+        return frozenset(self._verbs)
+
+    async def authenticate(self, token: str) -> User:
+        if not isinstance(token, str) or not token:
+            raise Unauthorized("a user token is required")
+        return await self.repo.authenticate_user(token)
+
+    async def handle(self, verb: str, token: str, args: Any) -> Any:
+        user = await self.authenticate(token)
+        method = self._verbs.get(verb)
+        if method is None:
+            raise Invalid(f"unknown verb {verb!r}", field="verb")
+        if verb in ADMIN_VERBS and not user.platform_admin:
+            raise Forbidden(f"{verb.replace('_', ' ')} needs a platform admin")
+        result = await method(user, args if args is not None else {})
+        log.debug("ops_request", verb=verb, user=user.name)
+        return result
+
+    # --- identity ---------------------------------------------------------------
+    async def whoami(self, user: User, args: Any) -> dict[str, Any]:
+        Args(args, ())
+        return {"name": user.name, "platform_admin": user.platform_admin}
+
+    # --- tasks ------------------------------------------------------------------
+    async def submit(self, user: User, args: Any) -> dict[str, Any]:
+        a = Args(
+            args,
+            (
+                "goal",
+                "workflow",
+                "payload",
+                "selector",
+                "priority",
+                "max_attempts",
+                "backoff_base_s",
+                "backoff_cap_s",
+                "project",
+                "count",
+            ),
+        )
+        goal = a.text("goal")
+        workflow = a.text("workflow", max_len=MAX_NAME)
+        if (goal is None) == (workflow is None):
+            raise Invalid("exactly one of goal or workflow is required", field="goal")
+        defaults = RetryPolicy()
+        retry = RetryPolicy(
+            max_attempts=a.integer("max_attempts", lo=1, hi=100, default=defaults.max_attempts),
+            backoff_base_s=a.number(
+                "backoff_base_s", lo=0.0, hi=86400.0, default=defaults.backoff_base_s
+            ),
+            backoff_cap_s=a.number(
+                "backoff_cap_s", lo=0.0, hi=86400.0, default=defaults.backoff_cap_s
+            ),
+        )
+        project = a.name("project", default="default")
+        count = a.integer("count", lo=1, hi=MAX_BATCH)
+        spec = TaskSpec(
+            kind=TaskKind.GOAL if goal is not None else TaskKind.WORKFLOW,
+            goal=goal,
+            workflow=workflow,
+            payload=a.doc("payload"),
+            selector=a.str_map("selector"),
+            priority=a.integer("priority", lo=-1000, hi=1000, default=0),
+            project=project,
+            owner=user.name,
+            retry=retry,
+        )
+        await self._check_project_role(user, project)
+        if count is None:
+            return {"id": await self.cp.submit(spec)}
+        ids = await self.cp.submit_many([spec] * count)
+        return {"ids": list(ids)}
+
+    async def _check_project_role(self, user: User, project: str) -> None:
+        """Submitting into a project needs a role on it (owner, project admin or
+        platform admin). Read-only; the submit itself re-checks the project exists."""
+        query = sa.select(
+            t.projects.c.owner,
+            sa.exists()
+            .where(t.project_admins.c.project == t.projects.c.name)
+            .where(t.project_admins.c.user_name == user.name)
+            .label("is_admin"),
+        ).where(t.projects.c.name == project)
+        async with self.repo.engine.connect() as conn:
+            row = (await conn.execute(query)).first()
+        if row is None:
+            raise NotFound(f"no project {project!r}", field="project")
+        if user.platform_admin or row.owner == user.name or row.is_admin:
+            return
+        raise Forbidden(f"you have no role on project {project!r}", field="project")
+
+    async def tasks(self, user: User, args: Any) -> list[dict[str, Any]]:
+        a = Args(args, ("states", "host", "limit"))
+        rows = await self.repo.list_tasks(
+            user,
+            states=a.names("states", choices=_STATES),
+            host_id=a.name("host"),
+            limit=a.integer("limit", lo=1, hi=MAX_LIST, default=100),
+        )
+        return [project_task(r, with_attempts=False) for r in rows]
+
+    async def task_show(self, user: User, args: Any) -> dict[str, Any]:
+        a = Args(args, ("id",))
+        return project_task(await self.repo.task_view(a.task_id(), user))
+
+    async def cancel(self, user: User, args: Any) -> dict[str, Any]:
+        a = Args(args, ("id",))
+        record = await self.cp.cancel(a.task_id(), user)
+        return project_cancel(record)
+
+    async def logs(self, user: User, args: Any) -> dict[str, Any]:
+        a = Args(args, ("id", "after_id", "limit"))
+        task_id = a.task_id()
+        after_id = a.integer("after_id", lo=0, hi=2**63 - 1, default=0)
+        limit = a.integer("limit", lo=1, hi=MAX_LOG_PAGE, default=MAX_LOG_PAGE)
+        # The state is read first: a line written after it is then still returned
+        # by this or the next page, so a follower that stops at a terminal state
+        # with an empty page has seen every line.
+        view = await self.repo.task_view(task_id, user)
+        state = _plain(_first(view, "state", "status"))
+        lines = [
+            project_log_line(r)
+            for r in await self.repo.read_logs(task_id, user, after_id=after_id, limit=limit)
+        ]
+        next_after = lines[-1]["id"] if lines else after_id
+        return {
+            "id": task_id,
+            "state": state,
+            "terminal": state in {s.value for s in TaskState if s.is_terminal},
+            "lines": lines,
+            "next_after_id": next_after,
+        }
+
+    async def artifacts(self, user: User, args: Any) -> list[dict[str, Any]]:
+        a = Args(args, ("id",))
+        return [project_artifact(r) for r in await self.repo.list_artifacts(a.task_id(), user)]
+
+    async def artifact_get(self, user: User, args: Any) -> dict[str, Any]:
+        a = Args(args, ("id", "name", "attempt", "offset", "length"))
+        task_id = a.task_id()
+        name = a.text("name", required=True, max_len=MAX_NAME)
+        attempt = a.integer("attempt", lo=1, hi=2**31 - 1)
+        offset = a.integer("offset", lo=0, hi=2**62, default=0)
+        length = a.integer("length", lo=1, hi=MAX_ARTIFACT_SLICE, default=MAX_ARTIFACT_SLICE)
+        rows = [
+            r
+            for r in await self.repo.list_artifacts(task_id, user)
+            if r.get("name") == name and (attempt is None or r.get("attempt") == attempt)
+        ]
+        if not rows:
+            raise NotFound(f"task {task_id} has no artifact {name!r}", field="name")
+        row = max(rows, key=lambda r: int(r.get("attempt") or 0))
+        server = getattr(self.service, "server", None)
+        if server is None:
+            raise NotFound("artifacts are not served here", field="name")
+        data = await server.read_artifact(str(row["object_name"]))
+        meta = project_artifact(row)
+        meta.update(offset=offset, data=bytes(data[offset : offset + length]))
+        meta["eof"] = offset + length >= len(data)
+        return meta
+
+    # --- fleet ------------------------------------------------------------------
+    async def hosts(self, user: User, args: Any) -> list[dict[str, Any]]:
+        Args(args, ())
+        return [h for h in map(project_host, await self.repo.list_hosts()) if not h["revoked"]]
+
+    async def host_list(self, user: User, args: Any) -> list[dict[str, Any]]:
+        Args(args, ())
+        return [project_host(h) for h in await self.repo.list_hosts()]
+
+    async def devices(self, user: User, args: Any) -> list[dict[str, Any]]:
+        a = Args(args, ("host",))
+        host = a.name("host")
+        return [
+            project_device(d)
+            for d in await self.repo.list_devices()
+            if host is None or d.get("host_id") == host
+        ]
+
+    async def host_add(self, user: User, args: Any) -> dict[str, Any]:
+        a = Args(args, ("host_id",))
+        host_id = a.name("host_id", required=True)
+        credential = await self.repo.add_host(host_id)
+        log.info("host_added", host_id=host_id, by=user.name)
+        return {"host_id": host_id, "token": credential}
+
+    async def host_revoke(self, user: User, args: Any) -> dict[str, Any]:
+        a = Args(args, ("host_id",))
+        host_id = a.name("host_id", required=True)
+        ended = await self.repo.revoke_host(host_id)
+        log.info("host_revoked", host_id=host_id, by=user.name, ended=len(ended))
+        return {
+            "host_id": host_id,
+            "revoked": True,
+            "ended": [
+                {
+                    "task_id": _plain(e.task_id),
+                    "attempt": e.attempt,
+                    "state": _plain(e.new_state),
+                    "end_reason": _plain(e.reason),
+                }
+                for e in ended
+            ],
+        }
+
+    # --- users and projects -----------------------------------------------------------
+    async def user_add(self, user: User, args: Any) -> dict[str, Any]:
+        a = Args(args, ("name", "platform_admin"))
+        name = a.name("name", required=True)
+        admin = a.flag("platform_admin")
+        token = await self.repo.add_user(name, platform_admin=admin)
+        log.info("user_added", user=name, platform_admin=admin, by=user.name)
+        return {"name": name, "platform_admin": admin, "token": token}
+
+    async def project_add(self, user: User, args: Any) -> dict[str, Any]:
+        a = Args(args, ("name", "owner", "admins"))
+        name = a.name("name", required=True)
+        owner = a.name("owner", required=True)
+        admins = a.names("admins")
+        await self.repo.add_project(name, owner=owner, admins=admins)
+        log.info("project_added", project=name, owner=owner, by=user.name)
+        return {"name": name, "owner": owner, "admins": admins}
