@@ -1,0 +1,253 @@
+"""What every fleetlease actor shares: the runtime context passed into its
+constructor, an inbox that refuses (instead of silently dropping) messages once
+the actor is gone, and the receive loop's error policy.
+
+Error policy of :meth:`FleetActor.on_receive`:
+
+* not a :class:`~actors.messages.Message`, or a type the actor does not handle,
+  or a field of the wrong shape: ``Invalid`` reply (if there is a reply), logged,
+  the actor keeps serving;
+* a typed repository error: that error is the reply, the actor keeps serving and
+  its cache is unchanged (handlers change their cache only after a commit);
+* any other exception: ``Unavailable`` reply (retryable), logged, the actor keeps
+  serving;
+* :class:`~actors.failpoints.FailPointError` or :class:`CrashRequested`: the
+  reply (if not already sent) is ``Unavailable`` and the exception escapes, so
+  pykka calls ``on_failure`` and the supervisor starts a replacement that
+  rebuilds its state from the database. This is how tests crash actors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import pykka
+import structlog
+from pykka import ActorDeadError
+
+from actors import failpoints
+from actors.bridge import Bridge, Reply
+from actors.messages import Crash, Message
+from persistence.clock import Clock
+from persistence.errors import Invalid, RepositoryError, Unavailable
+from persistence.model import LeaseStatus
+from persistence.repository import Renewal, Repository
+
+if TYPE_CHECKING:
+    from pykka._actor import ActorInbox
+    from pykka._envelope import Envelope
+
+    from actors.supervisor import Supervisor
+
+log = structlog.get_logger("fleetlease.actors")
+
+
+class CrashRequested(Exception):
+    """A deliberate crash (the :class:`~actors.messages.Crash` message)."""
+
+
+class Stats:
+    """Thread-safe counters (assign calls, restarts, wake-ups, ...)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def incr(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def get(self, name: str) -> int:
+        with self._lock:
+            return self._counts[name]
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+@dataclass(kw_only=True)
+class Context:
+    """Everything an actor needs, passed into its constructor (no globals).
+
+    ``emit`` and ``wake_hosts`` are safe to call from any thread: they hop onto
+    the event loop. ``renew`` is the coroutine factory used for renewals (group
+    commit through ``renew_many`` when enabled)."""
+
+    repo: Repository
+    bridge: Bridge
+    clock: Clock
+    db_timeout_s: float = 15.0
+    assign_batch: int = 64
+    expire_batch: int = 500
+    reaper_max_sleep_s: float = 5.0
+    reaper_idle_recheck_s: float = 1.0
+    emit: Callable[[list[dict[str, Any]]], None] = lambda events: None
+    wake_hosts: Callable[[Iterable[str]], None] = lambda hosts: None
+    renew: Callable[[Renewal], Coroutine[Any, Any, LeaseStatus]] | None = None
+    stats: Stats = field(default_factory=Stats)
+    supervisor: Supervisor | None = None
+
+    @property
+    def sup(self) -> Supervisor:
+        if self.supervisor is None:
+            raise RuntimeError("Context.supervisor is not set")
+        return self.supervisor
+
+    def db(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run a repository coroutine on the loop, from an actor thread."""
+        return self.bridge.run(coro, self.db_timeout_s)
+
+    def event(
+        self, *, task_id: str, state: str, attempt: int, host_id: str | None
+    ) -> dict[str, Any]:
+        return {
+            "task_id": task_id,
+            "state": str(state),
+            "attempt": attempt,
+            "host_id": host_id,
+            "at": self.clock.now().isoformat(),
+        }
+
+
+def _refuse(envelope: Envelope[Any], reason: str) -> None:
+    """Answer a message that will never be handled: asks get ``ActorDeadError``
+    (as pykka does), our ``Reply`` gets the retryable ``Unavailable``."""
+    message = envelope.message
+    if isinstance(message, Message) and message.reply is not None:
+        message.reply.set_exception(Unavailable(reason))
+    if envelope.reply_to is not None:
+        with contextlib.suppress(queue.Full):  # already answered
+            envelope.reply_to.set_exception(exc_info=(ActorDeadError, ActorDeadError(reason), None))
+
+
+class ClosableInbox:
+    """pykka's inbox (a queue) plus ``close()``: once the actor is stopping,
+    every queued and every later message is answered at once with a retryable
+    error instead of being dropped. pykka's own teardown drops ``tell``
+    messages, and a ``Reply`` inside one would then only fail by timeout."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Envelope[Any]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.reason = "actor stopped; retry"
+
+    def put(self, envelope: Envelope[Any], /) -> None:
+        with self._lock:
+            if not self._closed:
+                self._queue.put(envelope)
+                return
+        _refuse(envelope, self.reason)
+
+    def get(self) -> Envelope[Any]:
+        return self._queue.get()
+
+    def empty(self) -> bool:
+        return self._queue.empty()
+
+    def qsize(self) -> int:
+        return self._queue.qsize()
+
+    def close(self, reason: str) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.reason = reason
+            pending: list[Envelope[Any]] = []
+            while not self._queue.empty():
+                pending.append(self._queue.get_nowait())
+        for envelope in pending:
+            _refuse(envelope, reason)
+
+
+class FleetActor(pykka.ThreadingActor):
+    """Base of the Lease, Scheduler and Reaper actors."""
+
+    # Daemon threads: an actor left running by a crashed test or a killed process
+    # never keeps the interpreter alive; graceful shutdown is ControlPlane.stop().
+    use_daemon_thread = True
+    kind: ClassVar[str] = "actor"
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self._stopping_expected = False
+        self._handlers: dict[type[Message], Callable[[Any], None]] = {}
+
+    @staticmethod
+    def _create_actor_inbox() -> ActorInbox:
+        return ClosableInbox()
+
+    def _inbox(self) -> ClosableInbox:
+        inbox = self.actor_inbox
+        assert isinstance(inbox, ClosableInbox)
+        return inbox
+
+    def handle(self, kind: type[Message], handler: Callable[[Any], None]) -> None:
+        self._handlers[kind] = handler
+
+    def stop_self(self) -> None:
+        """Stop after the messages already queued (an expected stop: no restart)."""
+        self._stopping_expected = True
+        self.stop()
+
+    def describe(self) -> dict[str, Any]:
+        return {"actor": self.kind}
+
+    # --- pykka hooks -------------------------------------------------------------------
+    def on_receive(self, message: Any) -> Any:
+        if not isinstance(message, Message):
+            log.warning("actor.bad_message", type=type(message).__name__, **self.describe())
+            return None
+        reply = message.reply if isinstance(message.reply, Reply) else None
+        handler = self._handlers.get(type(message))
+        try:
+            if handler is None:
+                raise Invalid(
+                    f"{type(message).__name__} is not handled by {self.kind}", field="message"
+                )
+            message.validate()
+            if isinstance(message, Crash):
+                raise CrashRequested(f"crash requested for {self.kind}")
+            handler(message)
+        except RepositoryError as exc:
+            if isinstance(exc, Invalid):
+                log.info(
+                    "actor.invalid_message", error=exc.message, field=exc.field, **self.describe()
+                )
+            if reply is not None:
+                reply.set_exception(exc)
+        except (failpoints.FailPointError, CrashRequested) as exc:
+            log.warning("actor.crash", reason=str(exc), **self.describe())
+            if reply is not None:
+                reply.set_exception(Unavailable("the actor crashed; retry"))
+            raise
+        except Exception as exc:
+            log.error("actor.handler_error", error=repr(exc), exc_info=True, **self.describe())
+            if reply is not None:
+                reply.set_exception(Unavailable("internal error; retry"))
+        return None
+
+    def on_stop(self) -> None:
+        self._inbox().close("actor stopped; retry")
+        if self.ctx.supervisor is not None:
+            self.ctx.supervisor.child_stopped(self, expected=self._stopping_expected)
+
+    def on_failure(
+        self,
+        exception_type: type[BaseException] | None,
+        exception_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._inbox().close("actor crashed; retry")
+        if self.ctx.supervisor is not None:
+            self.ctx.supervisor.child_failed(self, exception_value)

@@ -1,0 +1,575 @@
+"""``ControlPlane``: the asyncio-side facade of the actor system, used by
+``transport/server.py``.
+
+Every method is a coroutine on the caller's event loop and never blocks it: the
+facade talks to actors only with ``tell`` plus a :class:`~actors.bridge.Reply`
+(completed by the actor with ``call_soon_threadsafe``), and every await has a
+timeout (``ask_timeout_s``) after which the caller gets the retryable
+``Unavailable``. A message for a dead actor is ``Unavailable`` too, never a hang.
+
+Routing of host messages about a task (claim, ack, renew, progress, result,
+cancel poll) and of a user's cancel of an in-flight task: through the task's
+Lease actor, one at a time. When there is none (restart, crash, or the task is
+not active), the facade looks the task up among the host's active attempts in
+the database: found, it starts a Lease actor from that row; not found, there is
+nothing to serialise with, and the repository answers directly (its fencing
+gives the typed error: unknown task ``NotFound``, stale attempt ``Conflict``,
+terminal ``Gone``, or a replayed result with ``replayed=True``).
+
+Decisions documented here:
+
+* ``cancel_poll`` is a fenced renewal: it extends the lease exactly like
+  ``renew`` and returns the current ``cancel_requested``. A host polling for a
+  cancel is alive, and reading the intent under the same fencing as a renewal
+  needs no extra repository verb.
+* ``register``, ``heartbeat`` and ``reconcile`` are host-level, not about one
+  task: they go to the repository directly; afterwards the facade tells the
+  Lease actors of attempts a reconcile ended, and wakes the Scheduler.
+* Task events (``add_listener``) are emitted on the loop after the commit, at
+  most once: a crash between a commit and its event loses the event, never the
+  transition (the database is the record).
+* Threads: ``start()`` sets ``threading.stack_size(stack_size)`` (default
+  256 KiB) for the whole process before starting any actor. An actor thread
+  only runs handler code and waits for the loop, so a small stack is enough,
+  and thousands of Lease actors then cost little memory. It is process-wide
+  (Python has no per-thread setting), so other threads started later get the
+  same size; pass ``stack_size=None`` to leave it alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+import structlog
+from pykka import ActorDeadError, ActorRef
+
+from actors.base import Context, Stats
+from actors.bridge import Bridge, Reply
+from actors.groupcommit import RenewBatcher
+from actors.lease import LeaseActor
+from actors.messages import (
+    Ack,
+    Cancel,
+    CancelPoll,
+    Claim,
+    Message,
+    Progress,
+    Renew,
+    ReportResult,
+)
+from actors.supervisor import Supervisor
+from persistence.clock import Clock
+from persistence.errors import (
+    Conflict,
+    Gone,
+    Invalid,
+    RepositoryError,
+    Unauthorized,
+    Unavailable,
+)
+from persistence.model import (
+    Assignment,
+    CancelRecord,
+    Claimed,
+    DeviceSnapshot,
+    JournalEntry,
+    LeaseStatus,
+    LeaseTimings,
+    Outcome,
+    ReconcileReport,
+    ResultRecord,
+    Session,
+    TaskSpec,
+    TaskState,
+    User,
+)
+from persistence.repository import Repository
+
+log = structlog.get_logger("fleetlease.runtime")
+
+T = TypeVar("T")
+
+DEFAULT_STACK_SIZE = 256 * 1024
+
+
+class ControlPlane:
+    """The facade. Construct, ``await start()``, serve, ``await stop()``."""
+
+    def __init__(
+        self,
+        repo: Repository,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        clock: Clock | None = None,
+        timings: LeaseTimings | None = None,
+        scheduler_interval_s: float = 1.0,
+        assign_batch: int = 64,
+        ask_timeout_s: float = 30.0,
+        db_timeout_s: float = 15.0,
+        reaper_max_sleep_s: float = 5.0,
+        group_commit: bool = True,
+        stack_size: int | None = DEFAULT_STACK_SIZE,
+    ) -> None:
+        if not isinstance(repo, Repository):
+            raise TypeError(f"repo must be a Repository, got {type(repo).__name__}")
+        for name, value in (
+            ("scheduler_interval_s", scheduler_interval_s),
+            ("ask_timeout_s", ask_timeout_s),
+            ("db_timeout_s", db_timeout_s),
+            ("reaper_max_sleep_s", reaper_max_sleep_s),
+        ):
+            if not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if assign_batch < 1:
+            raise ValueError(f"assign_batch must be >= 1, got {assign_batch!r}")
+        if stack_size is not None and stack_size < 32 * 1024:
+            raise ValueError(f"stack_size must be None or >= 32 KiB, got {stack_size!r}")
+        self.repo = repo
+        self.clock: Clock = clock or repo.clock
+        self.timings = timings or repo.timings
+        self.scheduler_interval_s = float(scheduler_interval_s)
+        self.assign_batch = assign_batch
+        self.ask_timeout_s = float(ask_timeout_s)
+        self.db_timeout_s = float(db_timeout_s)
+        self.reaper_max_sleep_s = float(reaper_max_sleep_s)
+        self.group_commit = group_commit
+        self.stack_size = stack_size
+        self._loop = loop
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self._waiters: dict[str, set[asyncio.Future[None]]] = {}
+        self._host_wakeups = 0
+        self._inflight = 0
+        self._idle: asyncio.Event | None = None
+        self._accepting = False
+        self._started = False
+        self._ticker: asyncio.Task[None] | None = None
+        self._batcher: RenewBatcher | None = None
+        self._ctx: Context | None = None
+        self._sup: Supervisor | None = None
+        self.stats = Stats()
+
+    # --- lifecycle ------------------------------------------------------------------------
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("ControlPlane is not started")
+        return self._loop
+
+    @property
+    def supervisor(self) -> Supervisor:
+        if self._sup is None:
+            raise RuntimeError("ControlPlane is not started")
+        return self._sup
+
+    async def start(self) -> None:
+        """Start the supervisor, Scheduler and Reaper, and a Lease actor for every
+        active attempt in the database."""
+        if self._started:
+            raise RuntimeError("ControlPlane.start() called twice")
+        running = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = running
+        elif self._loop is not running:
+            raise RuntimeError("start() must run on the ControlPlane's loop")
+        if self.stack_size is not None:
+            threading.stack_size(self.stack_size)
+        bridge = Bridge(self._loop)
+        self._batcher = RenewBatcher(self.repo) if self.group_commit else None
+        self._ctx = Context(
+            repo=self.repo,
+            bridge=bridge,
+            clock=self.clock,
+            db_timeout_s=self.db_timeout_s,
+            assign_batch=self.assign_batch,
+            reaper_max_sleep_s=self.reaper_max_sleep_s,
+            reaper_idle_recheck_s=self.scheduler_interval_s,
+            emit=self._emit_threadsafe,
+            wake_hosts=self._wake_hosts_threadsafe,
+            renew=self._batcher.renew if self._batcher is not None else None,
+            stats=self.stats,
+        )
+        sup = Supervisor(self._ctx)
+        self._sup = sup
+        mark = sup.mark()
+        actives = await self._bounded(self.repo.active_attempts())
+        sup.start()
+        sup.reconcile_leases(actives, mark, verify=False)
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._accepting = True
+        self._started = True
+        self._ticker = self._loop.create_task(self._tick_loop())
+        log.info("control_plane.started", active_attempts=len(actives))
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Graceful: refuse new work, let in-flight requests finish (long-polls
+        return None at once), then stop every actor after its queued messages."""
+        if not self._started or self._sup is None:
+            return
+        self._accepting = False
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        for waiters in self._waiters.values():
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
+        if self._idle is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), grace_s)
+        refs = self._sup.shutdown()
+        await self.loop.run_in_executor(None, Supervisor.stop_actors, refs, grace_s)
+        if self._batcher is not None:
+            await self._batcher.close()
+        self._started = False
+        log.info("control_plane.stopped")
+
+    async def _tick_loop(self) -> None:
+        sup = self.supervisor
+        while True:
+            await asyncio.sleep(self.scheduler_interval_s)
+            try:
+                sup.check()
+                sup.wake_scheduler(force=True)
+            except Exception as exc:  # the timer must survive anything
+                log.error("control_plane.tick_failed", error=repr(exc))
+
+    # --- introspection ----------------------------------------------------------------------
+    @property
+    def host_wakeups(self) -> int:
+        """How many long-poll waiters were woken by a new assignment."""
+        return self._host_wakeups
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        m: dict[str, Any] = dict(self.stats.snapshot())
+        m["host_wakeups"] = self._host_wakeups
+        m["lease_actors"] = self._sup.lease_count() if self._sup is not None else 0
+        m["inflight"] = self._inflight
+        if self._batcher is not None:
+            m["renew_batches"] = self._batcher.batches
+            m["renewals_batched"] = self._batcher.renewals
+        return m
+
+    def lease_actor(self, task_id: str) -> ActorRef[LeaseActor] | None:
+        return self.supervisor.lease_for(task_id)
+
+    def poke_reaper(self) -> bool:
+        """Make the Reaper run now (after advancing a ManualClock)."""
+        return self.supervisor.poke_reaper()
+
+    def wake_scheduler(self) -> None:
+        self.supervisor.wake_scheduler()
+
+    def add_listener(self, callback: Callable[[dict[str, Any]], None]) -> None:
+        """``callback(event)`` on the loop after each committed transition:
+        ``{"task_id", "state", "attempt", "host_id", "at" (ISO 8601)}``."""
+        self._listeners.append(callback)
+
+    # --- host-facing -------------------------------------------------------------------------
+    async def register(self, host_id: str, credential: str) -> Session:
+        async with self._request():
+            return await self._bounded(self.repo.register_session(host_id, credential))
+
+    async def heartbeat(self, session: Session, devices: Sequence[DeviceSnapshot]) -> None:
+        async with self._request():
+            await self._bounded(self.repo.heartbeat(session, devices))
+        self.supervisor.wake_scheduler()
+
+    async def reconcile(self, session: Session, entries: Sequence[JournalEntry]) -> ReconcileReport:
+        async with self._request():
+            report: ReconcileReport = await self._bounded(self.repo.reconcile(session, entries))
+        sup = self.supervisor
+        for e in report.lost:
+            sup.attempt_ended(e.task_id, e.attempt)
+        if report.lost:
+            self._dispatch(
+                [self._event(e.task_id, e.new_state, e.attempt, e.host_id) for e in report.lost]
+            )
+            sup.wake_scheduler()
+        return report
+
+    async def claim(
+        self, session: Session, *, wait_s: float, device_ids: Sequence[str] = ()
+    ) -> Claimed | None:
+        """Long-poll: an assignment of this host (on one of ``device_ids`` if
+        given) claimed at once, or after the Scheduler signals a new one, or None
+        after ``wait_s``. Never polls the database in a loop: it waits on a per-host
+        future that the Scheduler's signal completes."""
+        _check_session(session)
+        if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or wait_s < 0:
+            raise Invalid("wait_s must be a number >= 0", field="wait_s")
+        if isinstance(device_ids, str) or not all(isinstance(d, str) for d in device_ids):
+            raise Invalid("device_ids must be a list of strings", field="device_ids")
+        async with self._request():
+            generation = await self._bounded(self.repo.current_generation(session.host_id))
+            if generation is None or generation != session.generation:
+                raise Unauthorized()
+            loop = self.loop
+            deadline = loop.time() + float(wait_s)
+            host = session.host_id
+            while True:
+                # Register before looking, so a signal between the look and the wait
+                # is not lost.
+                waiter: asyncio.Future[None] = loop.create_future()
+                self._waiters.setdefault(host, set()).add(waiter)
+                try:
+                    claimed = await self._claim_pending(session, device_ids)
+                    if claimed is not None:
+                        return claimed
+                    remaining = deadline - loop.time()
+                    if remaining <= 0 or not self._accepting:
+                        return None
+                    try:
+                        await asyncio.wait_for(waiter, remaining)
+                    except TimeoutError:
+                        return None
+                    if not self._accepting:
+                        return None
+                finally:
+                    waiters = self._waiters.get(host)
+                    if waiters is not None:
+                        waiters.discard(waiter)
+                        if not waiters:
+                            del self._waiters[host]
+
+    async def _claim_pending(self, session: Session, device_ids: Sequence[str]) -> Claimed | None:
+        pending: list[Assignment] = await self._bounded(
+            self.repo.pending_assignments(session.host_id)
+        )
+        if device_ids:
+            wanted = set(device_ids)
+            pending = [a for a in pending if a.device_id in wanted]
+        for a in sorted(pending, key=lambda a: a.claim_deadline):
+            ref = self.supervisor.lease_for(a.task_id) or self.supervisor.ensure_lease(a)
+            try:
+                claimed: Claimed = await self._ask(
+                    ref,
+                    lambda r, a=a: Claim(  # type: ignore[misc]
+                        reply=r, session=session, task_id=a.task_id, attempt=a.attempt
+                    ),
+                )
+            except (Conflict, Gone):
+                continue  # claimed by a concurrent poller, or just expired
+            return claimed
+        return None
+
+    async def ack(
+        self, session: Session, task_id: str, attempt: int, lease_token: str
+    ) -> LeaseStatus:
+        return await self._via_lease(
+            Ack(session=session, task_id=task_id, attempt=attempt, lease_token=lease_token),
+            lambda: self.repo.ack(session, task_id, attempt, lease_token),
+        )
+
+    async def renew(
+        self, session: Session, task_id: str, attempt: int, lease_token: str
+    ) -> LeaseStatus:
+        return await self._via_lease(
+            Renew(session=session, task_id=task_id, attempt=attempt, lease_token=lease_token),
+            lambda: self.repo.renew(session, task_id, attempt, lease_token),
+        )
+
+    async def progress(
+        self, session: Session, task_id: str, attempt: int, lease_token: str, seq: int
+    ) -> LeaseStatus:
+        return await self._via_lease(
+            Progress(
+                session=session,
+                task_id=task_id,
+                attempt=attempt,
+                lease_token=lease_token,
+                seq=seq,
+            ),
+            lambda: self.repo.progress(session, task_id, attempt, lease_token, seq),
+        )
+
+    async def report_result(
+        self,
+        session: Session,
+        task_id: str,
+        attempt: int,
+        lease_token: str,
+        *,
+        outcome: Outcome | str,
+        retryable: bool = False,
+        reason: str = "",
+        result: dict[str, Any] | None = None,
+        fingerprint: str,
+    ) -> ResultRecord:
+        msg = ReportResult(
+            session=session,
+            task_id=task_id,
+            attempt=attempt,
+            lease_token=lease_token,
+            outcome=outcome,  # type: ignore[arg-type]  # validated below
+            retryable=retryable,
+            reason=reason,
+            result=result,
+            fingerprint=fingerprint,
+        )
+
+        async def direct() -> ResultRecord:
+            record: ResultRecord = await self.repo.report_result(
+                session,
+                task_id,
+                attempt,
+                lease_token,
+                outcome=Outcome(outcome),
+                retryable=retryable,
+                reason=reason,
+                result=result,
+                fingerprint=fingerprint,
+            )
+            if not record.replayed:
+                self._dispatch(
+                    [self._event(task_id, record.state, record.attempt, session.host_id)]
+                )
+                self.supervisor.wake_scheduler()
+            return record
+
+        return await self._via_lease(msg, direct)
+
+    async def cancel_poll(
+        self, session: Session, task_id: str, attempt: int, lease_token: str
+    ) -> LeaseStatus:
+        """A fenced renewal (extends the lease) that reports ``cancel_requested``."""
+        return await self._via_lease(
+            CancelPoll(session=session, task_id=task_id, attempt=attempt, lease_token=lease_token),
+            lambda: self.repo.renew(session, task_id, attempt, lease_token),
+        )
+
+    # --- user-facing ----------------------------------------------------------------------------
+    async def submit(self, spec: TaskSpec) -> str:
+        async with self._request():
+            task_id: str = await self._bounded(self.repo.submit(spec))
+        self._dispatch([self._event(task_id, TaskState.QUEUED, 0, None)])
+        self.supervisor.wake_scheduler()
+        return task_id
+
+    async def submit_many(self, specs: Sequence[TaskSpec]) -> list[str]:
+        async with self._request():
+            ids: list[str] = await self._bounded(self.repo.submit_many(specs))
+        self._dispatch([self._event(t, TaskState.QUEUED, 0, None) for t in ids])
+        if ids:
+            self.supervisor.wake_scheduler()
+        return ids
+
+    async def cancel(self, task_id: str, user: User) -> CancelRecord:
+        """Queued/retrying: cancelled at once. In flight: a durable intent written
+        through the task's Lease actor; the host sees it on its next renewal."""
+        msg = Cancel(task_id=task_id, user=user)
+        msg.validate()
+        async with self._request():
+            ref = self.supervisor.lease_for(task_id)
+            if ref is not None:
+                try:
+                    record: CancelRecord = await self._ask(ref, lambda r: _with_reply(msg, r))
+                    return record
+                except Unavailable:
+                    if self.supervisor.lease_for(task_id) is not None:
+                        raise
+                    # The actor stopped meanwhile (task ended): answer directly.
+            record = await self._bounded(self.repo.request_cancel(task_id, user))
+        if record.state is TaskState.CANCELLED:
+            self._dispatch([self._event(task_id, record.state, 0, None)])
+        return record
+
+    # --- plumbing ------------------------------------------------------------------------------
+    async def _via_lease(self, msg: Message, direct: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        msg.validate()
+        assert isinstance(msg, Claim | Ack | Renew | Progress | ReportResult | CancelPoll)
+        async with self._request():
+            sup = self.supervisor
+            ref = sup.lease_for(msg.task_id)
+            if ref is None:
+                active = await self._active_attempt(msg.session.host_id, msg.task_id)
+                if active is None:
+                    result: T = await self._bounded(direct())
+                    return result
+                ref = sup.ensure_lease(active)
+            answer: T = await self._ask(ref, lambda r: _with_reply(msg, r))
+            return answer
+
+    async def _active_attempt(self, host_id: str, task_id: str) -> Assignment | None:
+        actives: list[Assignment] = await self._bounded(self.repo.active_attempts(host_id))
+        mine = [a for a in actives if a.task_id == task_id]
+        return max(mine, key=lambda a: a.attempt) if mine else None
+
+    async def _ask(self, ref: ActorRef[Any], build: Callable[[Reply[Any]], Message]) -> Any:
+        reply: Reply[Any] = Reply(self.loop)
+        try:
+            ref.tell(build(reply))
+        except ActorDeadError as exc:
+            raise Unavailable("the actor is restarting; retry") from exc
+        return await reply.wait(self.ask_timeout_s)
+
+    async def _bounded(self, coro: Coroutine[Any, Any, T]) -> T:
+        try:
+            return await asyncio.wait_for(coro, self.ask_timeout_s)
+        except TimeoutError as exc:
+            raise Unavailable(f"no answer within {self.ask_timeout_s} s") from exc
+
+    @contextlib.asynccontextmanager
+    async def _request(self) -> AsyncIterator[None]:
+        if not self._accepting or self._idle is None:
+            raise Unavailable("the control plane is not running")
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    def _event(self, task_id: str, state: str, attempt: int, host_id: str | None) -> dict[str, Any]:
+        return {
+            "task_id": task_id,
+            "state": str(state),
+            "attempt": attempt,
+            "host_id": host_id,
+            "at": self.clock.now().isoformat(),
+        }
+
+    def _emit_threadsafe(self, events: list[dict[str, Any]]) -> None:
+        if self._ctx is not None:
+            self._ctx.bridge.call_soon(self._dispatch, events)
+
+    def _dispatch(self, events: list[dict[str, Any]]) -> None:
+        for event in events:
+            for callback in list(self._listeners):
+                try:
+                    callback(event)
+                except Exception as exc:  # one bad listener must not stop the others
+                    log.error("control_plane.listener_failed", error=repr(exc))
+
+    def _wake_hosts_threadsafe(self, hosts: Any) -> None:
+        if self._ctx is not None:
+            self._ctx.bridge.call_soon(self._wake_hosts, list(hosts))
+
+    def _wake_hosts(self, hosts: list[str]) -> None:
+        for host in hosts:
+            for waiter in self._waiters.get(host, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
+                    self._host_wakeups += 1
+
+
+def _with_reply(msg: Message, reply: Reply[Any]) -> Message:
+    import dataclasses
+
+    return dataclasses.replace(msg, reply=reply)
+
+
+def _check_session(session: object) -> None:
+    if not isinstance(session, Session):
+        raise Invalid("session must be a Session", field="session")
+
+
+__all__ = ["ControlPlane", "RepositoryError"]

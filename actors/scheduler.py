@@ -1,0 +1,82 @@
+"""The Scheduler actor: binds eligible tasks to free devices.
+
+It is woken (coalesced, see :meth:`actors.supervisor.Supervisor.wake_scheduler`)
+by submits, heartbeats, released reservations, expiries and a timer. Each pass
+calls ``repo.assign(limit)`` while it returns a full batch; fairness across
+projects and priority within a project are the repository's ``assign`` (one
+transaction per batch, SKIP LOCKED). For every new assignment it starts a Lease
+actor through the supervisor, tells the Reaper about the claim deadline and
+wakes the owning hosts' long-polls.
+
+It holds no state of its own: after a crash, the replacement's first message is
+:class:`~actors.messages.Rebuild`, which makes sure every active attempt in the
+database has a Lease actor (an assignment committed just before the crash would
+otherwise have none) and wakes every host that may have pending work.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from actors import failpoints
+from actors.base import Context, FleetActor
+from actors.messages import Crash, Rebuild, Wake
+from persistence.errors import RepositoryError
+from persistence.model import Assignment
+
+log = structlog.get_logger("fleetlease.scheduler")
+
+
+class SchedulerActor(FleetActor):
+    kind = "scheduler"
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.handle(Wake, self._wake)
+        self.handle(Rebuild, self._rebuild)
+        self.handle(Crash, lambda m: None)
+
+    def _wake(self, m: Wake) -> None:
+        self.ctx.sup.scheduler_woken()
+        self._assign_all()
+
+    def _assign_all(self) -> None:
+        limit = self.ctx.assign_batch
+        while True:
+            failpoints.hit(failpoints.SCHEDULER_BEFORE_ASSIGN)
+            self.ctx.stats.incr("assign_calls")
+            try:
+                batch: list[Assignment] = self.ctx.db(self.ctx.repo.assign(limit=limit))
+            except RepositoryError as exc:
+                # The timer wakes us again; nothing was assigned.
+                log.warning("scheduler.assign_failed", error=exc.message, code=exc.code)
+                return
+            failpoints.hit(failpoints.SCHEDULER_AFTER_ASSIGN_COMMIT)
+            if batch:
+                self._started(batch)
+            if len(batch) < limit:
+                return
+
+    def _started(self, batch: list[Assignment]) -> None:
+        self.ctx.stats.incr("assigned", len(batch))
+        for a in batch:
+            self.ctx.sup.ensure_lease(a)
+        self.ctx.sup.hint_deadline(min(a.claim_deadline for a in batch))
+        self.ctx.wake_hosts({a.host_id for a in batch})
+        self.ctx.emit(
+            [
+                self.ctx.event(
+                    task_id=a.task_id, state="assigned", attempt=a.attempt, host_id=a.host_id
+                )
+                for a in batch
+            ]
+        )
+
+    def _rebuild(self, m: Rebuild) -> None:
+        self.ctx.sup.scheduler_woken()
+        mark = self.ctx.sup.mark()
+        actives: list[Assignment] = self.ctx.db(self.ctx.repo.active_attempts())
+        self.ctx.sup.reconcile_leases(actives, mark)
+        self.ctx.wake_hosts({a.host_id for a in actives})
+        log.info("scheduler.rebuilt", active=len(actives))
+        self._assign_all()
