@@ -1,0 +1,871 @@
+"""The operator commands: ``submit``, ``tasks``, ``task show``, ``cancel``, ``logs``,
+``artifacts``, ``hosts``, ``devices``, ``host add|revoke|list``, ``user add``,
+``project add``, ``whoami`` and ``watch``.
+
+Each one is a request on ``{prefix}.ops.{verb}`` carrying the user token (from
+``--token``, ``FLEETLEASE_TOKEN`` or the context file written by ``fleetlease
+up``), answered by ``ops/api.py`` in the control plane. Output is a table, or
+with ``--json`` exactly the reply data (shapes in the README). Errors become one
+line on stderr and the exit code of their kind (``ops/cli.py``).
+
+``user add`` and ``project add`` also have a ``--direct`` mode that writes to the
+database without a token: how the first platform admin of a system not started
+by ``fleetlease up`` is made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ops import render
+from ops.cli import (
+    EXIT_BY_CODE,
+    EXIT_DENIED,
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    CliError,
+)
+from ops.config import Settings, from_args, read_context
+from transport import wire
+from transport.subjects import Subjects
+
+DEFAULT_TIMEOUT_S = 10.0
+SUBMIT_CHUNK = 100
+FOLLOW_POLL_S = 0.5
+LOG_PAGE = 1000
+
+TASK_STATES = (
+    "queued",
+    "assigned",
+    "dispatched",
+    "running",
+    "retrying",
+    "done",
+    "failed",
+    "cancelled",
+)
+
+
+# --- the client ---------------------------------------------------------------------
+
+
+def client_settings(args: argparse.Namespace) -> Settings:
+    settings = from_args(args).with_context()
+    if not settings.nats_url:
+        raise CliError(
+            "no NATS URL: start `fleetlease up`, or pass --nats-url / set FLEETLEASE_NATS_URL",
+            EXIT_UNAVAILABLE,
+        )
+    if not settings.token:
+        raise CliError(
+            "no user token: pass --token, set FLEETLEASE_TOKEN, or start `fleetlease up` "
+            "(it writes the admin token into the context file)",
+            EXIT_DENIED,
+        )
+    return settings
+
+
+@dataclass
+class OpsClient:
+    """One NATS connection for the user API of one control plane."""
+
+    nats_url: str
+    token: str
+    prefix: str = "fleetlease"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    nc: Any = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings, timeout_s: float = DEFAULT_TIMEOUT_S) -> OpsClient:
+        assert settings.nats_url and settings.token
+        return cls(
+            nats_url=settings.nats_url,
+            token=settings.token,
+            prefix=settings.prefix,
+            timeout_s=timeout_s,
+        )
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.prefix)
+
+    async def connect(self) -> OpsClient:
+        import nats
+
+        errors: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc) or type(exc).__name__)
+
+        try:
+            self.nc = await nats.connect(
+                self.nats_url,
+                name="fleetlease-cli",
+                connect_timeout=min(self.timeout_s, 5.0),
+                allow_reconnect=False,
+                max_reconnect_attempts=0,
+                error_cb=on_error,
+            )
+        except Exception as exc:
+            reason = errors[0] if errors else (str(exc) or type(exc).__name__)
+            raise CliError(
+                f"cannot reach NATS at {self.nats_url}: {reason}", EXIT_UNAVAILABLE
+            ) from exc
+        return self
+
+    async def close(self) -> None:
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+            self.nc = None
+
+    async def __aenter__(self) -> OpsClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def call(self, verb: str, **args: Any) -> Any:
+        import nats.errors
+
+        request = wire.OpsRequest(
+            token=self.token, verb=verb, args={k: v for k, v in args.items() if v is not None}
+        )
+        try:
+            msg = await self.nc.request(
+                self.subjects.ops(verb), wire.encode(request), timeout=self.timeout_s
+            )
+        except nats.errors.NoRespondersError:
+            raise CliError(
+                f"no control plane answers on NATS at {self.nats_url} (prefix {self.prefix}): "
+                "is `fleetlease up` or `fleetlease serve` running?",
+                EXIT_UNAVAILABLE,
+            ) from None
+        except nats.errors.TimeoutError:
+            raise CliError(
+                f"the control plane did not answer {verb} within {self.timeout_s:g}s",
+                EXIT_UNAVAILABLE,
+            ) from None
+        except nats.errors.ConnectionClosedError:
+            raise CliError(
+                f"the NATS connection to {self.nats_url} closed", EXIT_UNAVAILABLE
+            ) from None
+        try:
+            reply = wire.decode_reply(msg.data, wire.OpsReply)
+        except wire.RemoteError as exc:
+            raise CliError(
+                f"{exc.code.replace('_', ' ')}: {exc.message}",
+                EXIT_BY_CODE.get(exc.code, EXIT_ERROR),
+            ) from None
+        except wire.DecodeError as exc:
+            raise CliError(f"bad reply from the control plane: {exc.message}") from None
+        return reply.data
+
+
+def run(args: argparse.Namespace, body: Callable[[OpsClient], Any]) -> int:
+    """Connect, run ``body(client)`` (a coroutine function), close."""
+    settings = client_settings(args)
+
+    async def main() -> int:
+        async with OpsClient.from_settings(settings, args.timeout) as client:
+            result = await body(client)
+            return EXIT_OK if result is None else int(result)
+
+    return asyncio.run(main())
+
+
+def output(args: argparse.Namespace, data: Any, table: Callable[[Any], None]) -> None:
+    if args.json:
+        render.print_json(data)
+    else:
+        table(data)
+
+
+# --- argument parsing -----------------------------------------------------------------
+
+
+def add_client(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nats-url", help="NATS URL (env FLEETLEASE_NATS_URL; else the context file)"
+    )
+    parser.add_argument("--prefix", help="NATS subject prefix (env FLEETLEASE_PREFIX)")
+    parser.add_argument(
+        "--state-dir",
+        help="where `fleetlease up` wrote context.json (env FLEETLEASE_STATE_DIR, "
+        "default ~/.local/share/fleetlease)",
+    )
+    parser.add_argument(
+        "--token", help="user token (env FLEETLEASE_TOKEN; else the admin token of `up`)"
+    )
+    parser.add_argument("--json", action="store_true", help="print exact JSON (stable shapes)")
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds to wait for each reply (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    return key, value
+
+
+def register(sub: Any) -> None:
+    def cmd(
+        name: str, help: str, func: Callable[[argparse.Namespace], int], parent: Any = sub
+    ) -> Any:
+        p = parent.add_parser(name, help=help, description=help)
+        add_client(p)
+        p.set_defaults(func=func)
+        return p
+
+    p = cmd("submit", "submit a task (prints its id)", cmd_submit)
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--goal", help="a goal in plain words, for a goal runner")
+    what.add_argument("--workflow", help="the name of a workflow")
+    p.add_argument("--payload", type=json_object, help="a JSON object handed to the runner")
+    p.add_argument(
+        "--selector",
+        type=key_value,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="device capability the task needs (repeatable)",
+    )
+    p.add_argument("--priority", type=int, help="higher runs first within a project (default 0)")
+    p.add_argument("--max-attempts", type=positive_int, help="attempts before failing (default 3)")
+    p.add_argument("--backoff", type=float, help="retry backoff base in seconds (default 1)")
+    p.add_argument("--project", help="project (default: default)")
+    p.add_argument("--count", type=positive_int, help="submit N identical tasks")
+
+    p = cmd("tasks", "list the tasks you may see", cmd_tasks)
+    p.add_argument("--state", action="append", choices=TASK_STATES, default=[], help="repeatable")
+    p.add_argument("--host", help="only tasks whose current attempt is on this host")
+    p.add_argument("--limit", type=positive_int, default=100, help="at most N (default 100)")
+
+    task = sub.add_parser("task", help="one task").add_subparsers(
+        dest="task_command", metavar="COMMAND", required=True
+    )
+    p = cmd(
+        "show", "a task with its attempts, retry, cancel and reconcile status", cmd_task_show, task
+    )
+    p.add_argument("id", help="task id")
+
+    p = cmd("cancel", "cancel a task (idempotent)", cmd_cancel)
+    p.add_argument("id", help="task id")
+
+    p = cmd("logs", "a task's log lines", cmd_logs)
+    p.add_argument("id", help="task id")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing until the task ends")
+
+    p = cmd("artifacts", "a task's artifacts (list, or download one)", cmd_artifacts)
+    p.add_argument("id", help="task id")
+    p.add_argument("--get", metavar="NAME", help="download the artifact NAME")
+    p.add_argument("--attempt", type=positive_int, help="of this attempt (default: the latest)")
+    p.add_argument("--output", "-o", help="file to write (default: NAME in the current dir)")
+
+    cmd("hosts", "hosts of the fleet", cmd_hosts)
+    p = cmd("devices", "devices of the fleet", cmd_devices)
+    p.add_argument("--host", help="only this host's devices")
+
+    host = sub.add_parser("host", help="host credentials (platform admin)").add_subparsers(
+        dest="host_command", metavar="COMMAND", required=True
+    )
+    p = cmd("add", "create a host and print its credential once", cmd_host_add, host)
+    p.add_argument("host_id")
+    p.add_argument("--credential-file", help="also write the credential to this file (mode 0600)")
+    p = cmd("revoke", "revoke a host: its sessions die and its attempts end", cmd_host_revoke, host)
+    p.add_argument("host_id")
+    cmd("list", "every host, revoked ones too", cmd_host_list, host)
+
+    user = sub.add_parser("user", help="users (platform admin)").add_subparsers(
+        dest="user_command", metavar="COMMAND", required=True
+    )
+    p = cmd("add", "create a user and print their token once", cmd_user_add, user)
+    p.add_argument("name")
+    p.add_argument("--platform-admin", action="store_true", help="may do everything")
+    add_direct(p)
+
+    project = sub.add_parser("project", help="projects (platform admin)").add_subparsers(
+        dest="project_command", metavar="COMMAND", required=True
+    )
+    p = cmd("add", "create a project", cmd_project_add, project)
+    p.add_argument("name")
+    p.add_argument("--owner", required=True, help="the owning user")
+    p.add_argument(
+        "--admin", action="append", default=[], metavar="USER", help="a project admin (repeatable)"
+    )
+    add_direct(p)
+
+    cmd("whoami", "who the token belongs to", cmd_whoami)
+
+    p = cmd("watch", "a live view of tasks changing state", cmd_watch)
+    p.add_argument("--limit", type=positive_int, default=30, help="rows in the live table")
+    p.add_argument("--max-events", type=positive_int, help="exit after N state changes")
+    p.add_argument("--for", dest="duration", type=positive_float, help="exit after S seconds")
+
+
+def add_direct(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--direct",
+        action="store_true",
+        help="write to the database directly, without a token (bootstrapping the first admin)",
+    )
+    p.add_argument(
+        "--database-url",
+        help="PostgreSQL URL for --direct (env FLEETLEASE_DATABASE_URL; else the context "
+        "file, else the embedded PostgreSQL of the state dir); implies --direct",
+    )
+
+
+# --- commands -----------------------------------------------------------------------
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    request: dict[str, Any] = {
+        "goal": args.goal,
+        "workflow": args.workflow,
+        "payload": args.payload,
+        "selector": dict(args.selector) or None,
+        "priority": args.priority,
+        "max_attempts": args.max_attempts,
+        "backoff_base_s": args.backoff,
+        "project": args.project,
+    }
+    count = args.count or 1
+
+    async def single(client: OpsClient) -> None:
+        data = await client.call("submit", **request)
+        if args.json:
+            render.print_json(data)
+        else:
+            print(data["id"])
+
+    async def batch(client: OpsClient) -> None:
+        ids: list[str] = []
+        with _progress(f"submitting {count} tasks", count) as advance:
+            while len(ids) < count:
+                n = min(SUBMIT_CHUNK, count - len(ids))
+                data = await client.call("submit", count=n, **request)
+                ids.extend(data["ids"])
+                advance(n)
+        if args.json:
+            render.print_json({"ids": ids})
+        else:
+            for task_id in ids:
+                print(task_id)
+
+    return run(args, single if args.count is None else batch)
+
+
+@contextlib.contextmanager
+def _progress(description: str, total: int) -> Any:
+    """A progress bar on a terminal (stderr, so stdout stays the data); nothing
+    otherwise."""
+    if not (render.is_tty(sys.stderr) and render.is_tty(sys.stdout)):
+        yield lambda n: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=render.console(stderr=True),
+        transient=True,
+    ) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda n: progress.advance(task, n)
+
+
+def cmd_tasks(args: argparse.Namespace) -> int:
+    async def body(client: OpsClient) -> None:
+        data = await client.call(
+            "tasks", states=args.state or None, host=args.host, limit=args.limit
+        )
+        output(args, data, render.print_tasks)
+
+    return run(args, body)
+
+
+def cmd_task_show(args: argparse.Namespace) -> int:
+    async def body(client: OpsClient) -> None:
+        output(args, await client.call("task_show", id=args.id), render.print_task)
+
+    return run(args, body)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    async def body(client: OpsClient) -> None:
+        output(args, await client.call("cancel", id=args.id), render.print_cancel)
+
+    return run(args, body)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    async def once(client: OpsClient) -> None:
+        after = 0
+        page: dict[str, Any] = {}
+        lines: list[dict[str, Any]] = []
+        while True:
+            page = await client.call("logs", id=args.id, after_id=after, limit=LOG_PAGE)
+            lines.extend(page["lines"])
+            after = page["next_after_id"]
+            if len(page["lines"]) < LOG_PAGE:
+                break
+        if args.json:
+            render.print_json({**page, "lines": lines})
+        elif lines:
+            render.print_log_lines(lines)
+        else:
+            print(f"no log lines (task {page.get('state')})", file=sys.stderr)
+
+    async def follow(client: OpsClient) -> None:
+        after = 0
+        status = _status_line()
+        try:
+            while True:
+                page = await client.call("logs", id=args.id, after_id=after, limit=LOG_PAGE)
+                for line in page["lines"]:
+                    if args.json:
+                        render.print_json_line(line)
+                    else:
+                        render.print_log_lines([line])
+                after = page["next_after_id"]
+                status(f"task {page['state']}, following its logs (Ctrl-C to stop)")
+                if page["terminal"] and not page["lines"]:
+                    break
+                if len(page["lines"]) < LOG_PAGE:
+                    await asyncio.sleep(FOLLOW_POLL_S)
+        finally:
+            status(None)
+        if not args.json:
+            print(f"task {page['state']}", file=sys.stderr)
+
+    return run(args, follow if args.follow else once)
+
+
+def _status_line() -> Callable[[str | None], None]:
+    """A spinner with a message on a terminal's stderr; a no-op when piped."""
+    if not render.is_tty(sys.stderr):
+        return lambda message: None
+    status = render.console(stderr=True).status("")
+    started = False
+
+    def update(message: str | None) -> None:
+        nonlocal started
+        if message is None:
+            if started:
+                status.stop()
+            return
+        status.update(message)
+        if not started:
+            status.start()
+            started = True
+
+    return update
+
+
+def cmd_artifacts(args: argparse.Namespace) -> int:
+    async def listing(client: OpsClient) -> None:
+        output(args, await client.call("artifacts", id=args.id), render.print_artifacts)
+
+    async def download(client: OpsClient) -> None:
+        target = Path(args.output or Path(args.get).name)
+        chunks: list[bytes] = []
+        offset = 0
+        meta: dict[str, Any] = {}
+        while True:
+            meta = await client.call(
+                "artifact_get", id=args.id, name=args.get, attempt=args.attempt, offset=offset
+            )
+            chunks.append(meta["data"])
+            offset += len(meta["data"])
+            if meta["eof"] or not meta["data"]:
+                break
+        await asyncio.to_thread(target.write_bytes, b"".join(chunks))
+        info = {k: v for k, v in meta.items() if k not in ("data", "offset", "eof")}
+        info["path"] = str(target)
+        if args.json:
+            render.print_json(info)
+        else:
+            print(f"wrote {offset} bytes to {target}")
+
+    return run(args, download if args.get else listing)
+
+
+def cmd_hosts(args: argparse.Namespace) -> int:
+    async def body(client: OpsClient) -> None:
+        output(args, await client.call("hosts"), render.print_hosts)
+
+    return run(args, body)
+
+
+def cmd_host_list(args: argparse.Namespace) -> int:
+    async def body(client: OpsClient) -> None:
+        output(
+            args,
+            await client.call("host_list"),
+            lambda data: render.print_hosts(data, show_revoked=True),
+        )
+
+    return run(args, body)
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    async def body(client: OpsClient) -> None:
+        output(args, await client.call("devices", host=args.host), render.print_devices)
+
+    return run(args, body)
+
+
+def write_secret(path: Path, value: str) -> None:
+    """Write a secret to a file only its owner can read."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    os.replace(tmp, path)
+
+
+def cmd_host_add(args: argparse.Namespace) -> int:
+    async def body(client: OpsClient) -> None:
+        data = await client.call("host_add", host_id=args.host_id)
+        if args.credential_file:
+            write_secret(Path(args.credential_file), data["token"])
+        if args.json:
+            render.print_json(data)
+            return
+        print(f"host {data['host_id']} created; its credential (shown this once):")
+        print(data["token"])
+        if args.credential_file:
+            print(f"(also written to {args.credential_file})")
+
+    return run(args, body)
+
+
+def cmd_host_revoke(args: argparse.Namespace) -> int:
+    async def body(client: OpsClient) -> None:
+        data = await client.call("host_revoke", host_id=args.host_id)
+        if args.json:
+            render.print_json(data)
+            return
+        print(f"host {data['host_id']} revoked; {len(data['ended'])} active attempt(s) ended")
+        for e in data["ended"]:
+            print(f"  {e['task_id']} attempt {e['attempt']} -> {e['state']} ({e['end_reason']})")
+
+    return run(args, body)
+
+
+def _print_user(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    if args.json:
+        render.print_json(data)
+        return
+    role = " (platform admin)" if data.get("platform_admin") else ""
+    print(f"user {data['name']}{role} created; their token (shown this once):")
+    print(data["token"])
+
+
+def _print_project(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    if args.json:
+        render.print_json(data)
+        return
+    admins = ", ".join(data["admins"]) or "none"
+    print(f"project {data['name']} created; owner {data['owner']}, admins: {admins}")
+
+
+def cmd_user_add(args: argparse.Namespace) -> int:
+    if args.direct or args.database_url:
+
+        async def direct(repo: Any) -> dict[str, Any]:
+            from ops.api import Args
+
+            name = Args({"name": args.name}, ("name",)).name("name", required=True)
+            token = await repo.add_user(name, platform_admin=args.platform_admin)
+            return {"name": name, "platform_admin": args.platform_admin, "token": token}
+
+        _print_user(args, run_direct(args, direct))
+        return EXIT_OK
+
+    async def body(client: OpsClient) -> None:
+        data = await client.call(
+            "user_add", name=args.name, platform_admin=args.platform_admin or None
+        )
+        _print_user(args, data)
+
+    return run(args, body)
+
+
+def cmd_project_add(args: argparse.Namespace) -> int:
+    if args.direct or args.database_url:
+
+        async def direct(repo: Any) -> dict[str, Any]:
+            from ops.api import Args
+
+            a = Args(
+                {"name": args.name, "owner": args.owner, "admins": args.admin},
+                ("name", "owner", "admins"),
+            )
+            name, owner = a.name("name", required=True), a.name("owner", required=True)
+            admins = a.names("admins")
+            await repo.add_project(name, owner=owner, admins=admins)
+            return {"name": name, "owner": owner, "admins": admins}
+
+        _print_project(args, run_direct(args, direct))
+        return EXIT_OK
+
+    async def body(client: OpsClient) -> None:
+        data = await client.call(
+            "project_add", name=args.name, owner=args.owner, admins=args.admin or None
+        )
+        _print_project(args, data)
+
+    return run(args, body)
+
+
+def run_direct(args: argparse.Namespace, body: Callable[[Any], Any]) -> Any:
+    """Run ``body(repository)`` against the database directly (no token)."""
+    from ops.system import AlreadyRunning, Services, Unreachable, check_database, single_instance
+
+    settings = from_args(args)
+
+    async def with_repo(url: str) -> Any:
+        from persistence.db import create_engine
+        from persistence.migrate import upgrade_engine
+        from persistence.repository import Repository
+
+        engine = create_engine(url, pool_size=2, max_overflow=0)
+        try:
+            await upgrade_engine(engine)
+            return await body(Repository(engine))
+        finally:
+            await engine.dispose()
+
+    try:
+        url = settings.database_url
+        if not url:
+            ctx_url = read_context(settings.state_dir).get("database_url")
+            if isinstance(ctx_url, str) and ctx_url:
+                try:
+                    asyncio.run(check_database(ctx_url, timeout=3.0))
+                    url = ctx_url
+                except Unreachable:
+                    url = None
+        if url:
+            asyncio.run(check_database(url))
+            return asyncio.run(with_repo(url))
+        with (
+            single_instance(settings.state_dir),
+            Services(replace(settings, nats_url=None), need_nats=False) as services,
+        ):
+            return asyncio.run(with_repo(services.database_url))
+    except (AlreadyRunning, Unreachable) as exc:
+        raise CliError(exc.message, EXIT_UNAVAILABLE) from exc
+
+
+def cmd_whoami(args: argparse.Namespace) -> int:
+    async def body(client: OpsClient) -> None:
+        data = await client.call("whoami")
+        output(
+            args,
+            data,
+            lambda d: print(f"{d['name']}" + (" (platform admin)" if d["platform_admin"] else "")),
+        )
+
+    return run(args, body)
+
+
+# --- watch --------------------------------------------------------------------------
+
+
+def normalize_event(raw: Any) -> dict[str, Any] | None:
+    """A task event as ``watch`` shows it, by allow-list (events are produced by
+    the actor system; only these fields ever reach the screen)."""
+    if not isinstance(raw, dict):
+        return None
+    task_id = raw.get("task_id") or raw.get("id")
+    state = raw.get("state") or raw.get("new_state") or raw.get("status")
+    if not isinstance(task_id, str) or not isinstance(state, str):
+        return None
+    at = raw.get("at") or raw.get("ts") or raw.get("time")
+    if isinstance(at, int | float) and not isinstance(at, bool):
+        at = wire.from_unix(float(at)).isoformat()
+    return {
+        "task_id": task_id,
+        "state": state,
+        "attempt": raw.get("attempt") if isinstance(raw.get("attempt"), int) else None,
+        "host_id": raw.get("host_id") if isinstance(raw.get("host_id"), str) else None,
+        "device_id": raw.get("device_id") if isinstance(raw.get("device_id"), str) else None,
+        "at": at if isinstance(at, str) else None,
+    }
+
+
+async def task_events(client: OpsClient) -> AsyncGenerator[dict[str, Any], None]:
+    """State changes of the tasks this user may read. The event subject is shared
+    by everyone, so each new task id is checked once with ``task_show`` (which
+    enforces the roles) and events of tasks the user may not read are dropped."""
+    import msgpack
+
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def on_msg(msg: Any) -> None:
+        queue.put_nowait(msg.data)
+
+    sub = await client.nc.subscribe(client.subjects.events_task(), cb=on_msg)
+    readable: dict[str, bool] = {}
+    try:
+        while True:
+            data = await queue.get()
+            try:
+                event = normalize_event(msgpack.unpackb(data, raw=False))
+            except (ValueError, msgpack.UnpackException):
+                continue
+            if event is None:
+                continue
+            task_id = event["task_id"]
+            if task_id not in readable:
+                try:
+                    await client.call("task_show", id=task_id)
+                    readable[task_id] = True
+                except CliError as exc:
+                    if exc.exit_code == EXIT_UNAVAILABLE:
+                        raise
+                    readable[task_id] = False
+            if readable[task_id]:
+                yield event
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    async def body(client: OpsClient) -> None:
+        deadline = time.monotonic() + args.duration if args.duration else None
+        live = render.is_tty(sys.stdout) and not args.json
+        rows: dict[str, dict[str, Any]] = {}
+        if live:
+            for t in await client.call("tasks", limit=args.limit):
+                rows[t["id"]] = t
+        seen = 0
+        events = task_events(client)
+        display = _LiveTasks(rows, args.limit) if live else None
+        try:
+            if display is not None:
+                display.start()
+            while deadline is None or time.monotonic() < deadline:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    event = await asyncio.wait_for(anext(events), timeout)
+                except TimeoutError:
+                    break
+                seen += 1
+                if display is not None:
+                    display.apply(event)
+                elif args.json:
+                    render.print_json_line(event)
+                else:
+                    print(render.event_line(event), flush=True)
+                if args.max_events and seen >= args.max_events:
+                    break
+        finally:
+            if display is not None:
+                display.stop()
+            await events.aclose()
+
+    return run(args, body)
+
+
+class _LiveTasks:
+    """The redrawn-in-place table of ``watch`` (and of ``up --demo``)."""
+
+    def __init__(self, rows: dict[str, dict[str, Any]], limit: int, title: str = "tasks") -> None:
+        from rich.live import Live
+
+        self.rows = rows
+        self.limit = limit
+        self.title = title
+        self.live = Live(self.render(), console=render.console(), auto_refresh=False)
+
+    def render(self) -> Any:
+        ordered = sorted(
+            self.rows.values(), key=lambda t: str(t.get("updated_at") or ""), reverse=True
+        )[: self.limit]
+        counts: dict[str, int] = {}
+        for t in self.rows.values():
+            counts[str(t.get("state"))] = counts.get(str(t.get("state")), 0) + 1
+        summary = "  ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        return render.tasks_table(ordered, title=f"{self.title}  ({summary})")
+
+    def apply(self, event: dict[str, Any]) -> None:
+        row = self.rows.setdefault(event["task_id"], {"id": event["task_id"]})
+        row["state"] = event["state"]
+        for key in ("attempt", "host_id", "device_id"):
+            if event.get(key) is not None:
+                row[key] = event[key]
+        row["updated_at"] = event.get("at") or wire.from_unix(time.time()).isoformat()
+        self.refresh()
+
+    def replace(self, tasks: list[dict[str, Any]]) -> None:
+        for t in tasks:
+            self.rows[t["id"]] = t
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.live.update(self.render(), refresh=True)
+
+    def start(self) -> None:
+        self.live.start()
+
+    def stop(self) -> None:
+        self.live.stop()
+
+
+__all__ = ["EXIT_USAGE", "OpsClient", "register"]
