@@ -23,6 +23,7 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
+from persistence.model import Outcome
 from transport import wire
 from transport.auth import Signer
 from transport.subjects import Channel, Subjects
@@ -251,7 +252,7 @@ class HostClient:
                 task_id=task_id,
                 attempt=attempt,
                 lease_token=lease_token,
-                outcome=wire.Outcome(outcome),
+                outcome=Outcome(outcome),
                 retryable=retryable,
                 reason=reason,
                 result=result or {},

@@ -3,12 +3,34 @@ pending limit and worker pool per channel (control, jobs, logs, artifacts, ops),
 so that a stuck log or artifact transfer never delays a heartbeat, a claim or a
 result.
 
-Every request is decoded and validated at the edge (``transport.wire.decode``),
-its type checked against the subject's verb, its session signature verified
-(``transport.auth.Verifier``) for the host named in the subject, and only then
-handed to the actor system (``actors.runtime.ControlPlane``) or the repository.
-Every reply is a typed message or ``Error{code, message}``; nothing a malformed
-or hostile message does can stop the server.
+Every request goes through the same gate, in this order, and is refused at the
+first check it fails (typed ``Error{code, message}`` reply, nothing read or
+written past that point):
+
+1. the subject parses as one of ours and names a known verb (``bad_request``);
+2. the bytes decode as exactly one envelope of the verb's message type, within
+   the size and field limits, with no NUL characters in text bound for
+   PostgreSQL (``bad_request``);
+3. Register aside, the message is signed and the signing host is the host the
+   subject names (``unauthorized`` / ``forbidden``: host A's session can never
+   act for host B, and nothing of B is read before this check);
+4. the signature, its timestamp and its nonce verify against the session key of
+   the presented generation, without touching the database (``unauthorized``);
+5. the presented generation is the host's current one (``unauthorized``); a
+   per-process cache answers the common case, the database the rest, and the
+   repository re-checks it inside every transaction anyway (so the cache can be
+   stale in one direction only: towards asking the repository, which refuses).
+
+Only then is the request handed to the actor system (``actors.runtime.ControlPlane``)
+or, for logs and artifacts, to the repository and the JetStream object store.
+
+Artifacts: chunks are staged in a JetStream stream of their own (one subject per
+host, attempt, artifact and offset, last message per subject kept), so any
+``fleetlease serve`` process of a queue group can take any chunk and any of them
+can take the commit. The commit reassembles the chunks in offset order, checks
+size and SHA-256, stores the object under a content-addressed name in the
+object store, and only then records it through the repository. A mismatch is a
+``conflict`` and nothing is recorded.
 """
 
 from __future__ import annotations
@@ -18,26 +40,27 @@ import contextlib
 import hashlib
 import os
 import tempfile
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+import threading
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 
 import msgpack
 import nats
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.errors import NotFoundError
 
-from persistence.errors import Conflict, Invalid, RepositoryError, Unavailable
+from persistence.errors import Conflict, Invalid, RepositoryError, Unauthorized, Unavailable
 from persistence.model import DeviceSnapshot, JournalEntry, LeaseTimings, Session
 from transport import wire
 from transport.auth import AuthError, Verifier, session_key
 from transport.subjects import Channel, Subjects, queue_group
 
 if TYPE_CHECKING:
-    from actors.runtime import ControlPlane
-
     from persistence.repository import Repository
 
 log = structlog.get_logger("fleetlease.server")
@@ -60,6 +83,44 @@ HOST_VERBS: dict[tuple[Channel, str], type[wire.Message]] = {
 
 MAX_ARTIFACT_BYTES = 256 * 1024 * 1024
 ARTIFACT_BUCKET = "fleetlease-artifacts"
+#: Staged chunks of an upload nobody committed are dropped after this long.
+STAGING_MAX_AGE_S = 24 * 3600.0
+_INT64_MAX = 2**63 - 1
+
+
+class ControlPlaneLike(Protocol):
+    """What the server needs of ``actors.runtime.ControlPlane``. Every method
+    raises a ``RepositoryError`` (typed reply) on refusal."""
+
+    async def register(self, host_id: str, credential: str) -> Session: ...
+
+    async def heartbeat(self, session: Session, devices: list[DeviceSnapshot]) -> Any: ...
+
+    async def reconcile(self, session: Session, entries: list[JournalEntry]) -> Any: ...
+
+    async def claim(
+        self, session: Session, *, wait_s: float, device_ids: list[str] | tuple[str, ...] = ()
+    ) -> Any: ...
+
+    async def ack(self, session: Session, task_id: str, attempt: int, lease_token: str) -> Any: ...
+
+    async def renew(
+        self, session: Session, task_id: str, attempt: int, lease_token: str
+    ) -> Any: ...
+
+    async def progress(
+        self, session: Session, task_id: str, attempt: int, lease_token: str, seq: int
+    ) -> Any: ...
+
+    async def report_result(
+        self, session: Session, task_id: str, attempt: int, lease_token: str, **kw: Any
+    ) -> Any: ...
+
+    async def cancel_poll(
+        self, session: Session, task_id: str, attempt: int, lease_token: str
+    ) -> Any: ...
+
+    def add_listener(self, listener: Callable[[Any], None]) -> Any: ...
 
 
 class OpsHandler(Protocol):
@@ -69,17 +130,28 @@ class OpsHandler(Protocol):
     async def handle(self, verb: str, token: str, args: dict[str, Any]) -> Any: ...
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class ChannelConfig:
+    """Limits of one channel. ``long_poll`` (jobs only) is a second pool for
+    claims, which park until work comes: a host fleet long-polling can never
+    take the workers that renewals and results need. A claim that finds no
+    long-poll slot free is answered at once (no waiting) from the normal pool."""
+
     workers: int
+    long_poll: int = 0
     pending_msgs: int = 65536
     pending_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers!r}")
+        if self.long_poll < 0:
+            raise ValueError(f"long_poll must not be negative, got {self.long_poll!r}")
 
 
 DEFAULT_CHANNELS: dict[Channel, ChannelConfig] = {
     Channel.CONTROL: ChannelConfig(workers=64),
-    # Claims are long-polls that park a worker each: allow many.
-    Channel.JOBS: ChannelConfig(workers=4096),
+    Channel.JOBS: ChannelConfig(workers=256, long_poll=4096),
     Channel.LOGS: ChannelConfig(workers=16),
     Channel.ARTIFACTS: ChannelConfig(workers=8),
     Channel.OPS: ChannelConfig(workers=64),
@@ -91,37 +163,60 @@ class _ChannelState:
     channel: Channel
     config: ChannelConfig
     nc: NatsClient | None = None
+    sub: Subscription | None = None
     sem: asyncio.Semaphore | None = None
+    poll_sem: asyncio.Semaphore | None = None
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     #: Tests close this gate to stall a channel on purpose.
     gate: asyncio.Event = field(default_factory=asyncio.Event)
+    received: int = 0
     handled: int = 0
 
 
-@dataclass
-class _Upload:
-    path: Path
-    size: int = 0
-    digest: Any = field(default_factory=hashlib.sha256)
+Handler = Callable[[Msg, bool], Awaitable[bytes]]
+
+
+def _error(code: str, message: str) -> bytes:
+    if code not in wire.ERROR_CODES:
+        code = "internal"
+    return wire.error_reply(code, message[: wire.MAX_TEXT_LEN])
+
+
+def _reject_nul(root: object, name: str) -> None:
+    """PostgreSQL text and JSONB cannot hold U+0000: refuse it at the edge
+    (``bad_request``) rather than as a driver error deep in a transaction."""
+    stack: list[object] = [root]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            if "\x00" in value:
+                raise wire.DecodeError("nul_character", f"{name} contains a NUL character")
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
 
 
 class Server:
     """Serves one control plane on NATS. Several ``Server`` processes may share one
-    NATS and one PostgreSQL: every subscription is in a queue group."""
+    NATS and one PostgreSQL: every subscription is in a queue group and no state a
+    request depends on lives only in one process."""
 
     def __init__(
         self,
         *,
         nats_url: str,
-        control_plane: ControlPlane,
+        control_plane: ControlPlaneLike,
         repo: Repository,
         server_secret: bytes,
         subjects: Subjects | None = None,
         ops: OpsHandler | None = None,
         timings: LeaseTimings | None = None,
         heartbeat_s: float = 5.0,
-        channels: dict[Channel, ChannelConfig] | None = None,
+        channels: Mapping[Channel, ChannelConfig] | None = None,
         connect_options: dict[str, Any] | None = None,
+        replay_window_s: float | None = None,
     ) -> None:
         self.nats_url = nats_url
         self.cp = control_plane
@@ -131,20 +226,34 @@ class Server:
         self.ops = ops
         self.timings = timings or repo.timings
         self.heartbeat_s = heartbeat_s
-        self.verifier = Verifier(server_secret, repo.clock, subjects=self.subjects)
+        verifier_opts: dict[str, Any] = {}
+        if replay_window_s is not None:
+            verifier_opts["window_s"] = replay_window_s
+        self.verifier = Verifier(server_secret, repo.clock, subjects=self.subjects, **verifier_opts)
         self._connect_options = dict(connect_options or {})
-        cfg = channels or DEFAULT_CHANNELS
+        cfg = dict(DEFAULT_CHANNELS)
+        cfg.update(channels or {})
         self._channels = {ch: _ChannelState(ch, cfg[ch]) for ch in Channel}
         self._generations: dict[str, int] = {}
-        self._uploads: dict[tuple[str, int, str], _Upload] = {}
-        self._upload_dir = Path(tempfile.mkdtemp(prefix="fleetlease-uploads-"))
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._js_lock = asyncio.Lock()
         self._object_store: Any = None
+        self._staging_ready = False
+        self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fleetlease-artifact-io")
         self._events_nc: NatsClient | None = None
         self._stopping = False
+        self._started = False
+        prefix_id = self.subjects.prefix.replace(".", "-")
+        self.artifact_bucket = f"{ARTIFACT_BUCKET}-{prefix_id}"
+        self.staging_stream = f"FLEETLEASE_UPLOADS_{prefix_id}"
+        self._staging_root = f"{self.subjects.prefix}._uploads"
 
     # --- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
-        handlers: dict[Channel, tuple[str, Callable[[Msg], Awaitable[bytes]]]] = {
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        handlers: dict[Channel, tuple[str, Handler]] = {
             Channel.CONTROL: (self.subjects.control_wildcard(), self._host_message),
             Channel.JOBS: (self.subjects.jobs_wildcard(), self._host_message),
             Channel.LOGS: (self.subjects.logs_wildcard(), self._host_message),
@@ -156,117 +265,192 @@ class Server:
                 state = self._channels[channel]
                 state.gate.set()
                 state.sem = asyncio.Semaphore(state.config.workers)
+                if state.config.long_poll:
+                    state.poll_sem = asyncio.Semaphore(state.config.long_poll)
                 state.nc = await self._connect(f"fleetlease-server-{channel.value}")
-                await state.nc.subscribe(
+                state.sub = await state.nc.subscribe(
                     subject,
                     queue=queue_group(channel),
                     cb=self._dispatcher(state, handler),
                     pending_msgs_limit=state.config.pending_msgs,
                     pending_bytes_limit=state.config.pending_bytes,
                 )
+            for state in self._channels.values():
+                # The subscriptions are live on the server once this returns.
+                assert state.nc is not None
+                await state.nc.flush()
             self._events_nc = self._channels[Channel.OPS].nc
-            self.cp.add_listener(self._publish_event)
-        except Exception:
-            await self.stop()
+            self.cp.add_listener(self._on_event)
+        except BaseException:
+            await self.stop(grace_s=0)
             raise
+        self._started = True
         log.info("server_started", prefix=self.subjects.prefix)
 
     async def _connect(self, name: str) -> NatsClient:
         async def on_error(exc: Exception) -> None:
             log.warning("nats_error", connection=name, error=str(exc) or type(exc).__name__)
 
+        async def on_disconnect() -> None:
+            log.warning("nats_disconnected", connection=name)
+
+        async def on_reconnect() -> None:
+            log.info("nats_reconnected", connection=name)
+
         opts: dict[str, Any] = {
             "name": name,
             "max_reconnect_attempts": -1,
             "reconnect_time_wait": 0.5,
+            "connect_timeout": 5,
+            "allow_reconnect": True,
             "error_cb": on_error,
+            "disconnected_cb": on_disconnect,
+            "reconnected_cb": on_reconnect,
         }
         opts.update(self._connect_options)
         return await nats.connect(self.nats_url, **opts)
 
     async def stop(self, grace_s: float = 10.0) -> None:
-        """Stop taking new requests, let in-flight ones finish (up to ``grace_s``),
-        close the connections."""
+        """Stop taking new requests, finish the ones already received (up to
+        ``grace_s``), close the connections. Idempotent."""
+        if self._stopping:
+            return
         self._stopping = True
+        self._events_nc = None
+        # 1. No new requests: the server stops routing to us (the queue group's
+        #    other members get them), and what already reached this process is
+        #    still dispatched (drain, not unsubscribe: nothing is dropped).
         for state in self._channels.values():
-            if state.nc is not None and state.nc.is_connected:
-                with contextlib.suppress(Exception):
-                    for sub in list(state.nc._subs.values()):
-                        await sub.unsubscribe()
+            state.gate.set()  # a stalled channel must not hold the shutdown
+        drains = [
+            self._drain(state.sub) for state in self._channels.values() if state.sub is not None
+        ]
+        if drains:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.gather(*drains, return_exceptions=True), timeout=max(grace_s, 1.0)
+                )
+        # 2. In-flight requests finish and reply (long-polls included).
         pending = [t for s in self._channels.values() for t in s.tasks]
         if pending:
-            _, late = await asyncio.wait(pending, timeout=grace_s)
+            _done, late = await asyncio.wait(pending, timeout=grace_s if grace_s > 0 else None)
             for t in late:
                 t.cancel()
+            if late:
+                log.warning("server_stop_abandoned", requests=len(late))
+                await asyncio.wait(late, timeout=1.0)
+        # 3. Replies are flushed, connections closed.
         for state in self._channels.values():
             if state.nc is not None:
                 with contextlib.suppress(Exception):
-                    await state.nc.drain()
+                    await state.nc.flush(timeout=2)
+                with contextlib.suppress(Exception):
+                    await state.nc.close()
                 state.nc = None
-        for upload in self._uploads.values():
-            with contextlib.suppress(OSError):
-                upload.path.unlink()
-        self._uploads.clear()
-        with contextlib.suppress(OSError):
-            self._upload_dir.rmdir()
-        log.info("server_stopped")
+                state.sub = None
+        self._io.shutdown(wait=False, cancel_futures=True)
+        if self._started:
+            log.info("server_stopped")
+
+    @staticmethod
+    async def _drain(sub: Subscription) -> None:
+        with contextlib.suppress(Exception):
+            await sub.drain()  # type: ignore[no-untyped-call]
 
     def stall(self, channel: Channel) -> None:
-        """Hold every new request of ``channel`` until ``unstall`` (fault tests)."""
-        self._channels[channel].gate.clear()
+        """Hold every request of ``channel`` until ``unstall`` (fault tests). The
+        held requests keep their workers, as a stuck handler would."""
+        self._channels[Channel(channel)].gate.clear()
 
     def unstall(self, channel: Channel) -> None:
-        self._channels[channel].gate.set()
+        self._channels[Channel(channel)].gate.set()
 
     def handled(self, channel: Channel) -> int:
-        return self._channels[channel].handled
+        """Requests of ``channel`` answered so far."""
+        return self._channels[Channel(channel)].handled
+
+    def received(self, channel: Channel) -> int:
+        """Requests of ``channel`` taken off NATS so far (answered or not)."""
+        return self._channels[Channel(channel)].received
+
+    def in_flight(self, channel: Channel) -> int:
+        return len(self._channels[Channel(channel)].tasks)
 
     # --- dispatch ----------------------------------------------------------------
     def _dispatcher(
-        self, state: _ChannelState, handler: Callable[[Msg], Awaitable[bytes]]
+        self, state: _ChannelState, handler: Handler
     ) -> Callable[[Msg], Awaitable[None]]:
         async def on_message(msg: Msg) -> None:
             assert state.sem is not None
-            await state.sem.acquire()
-            task = asyncio.create_task(self._serve_one(state, handler, msg))
+            state.received += 1
+            sem = state.sem
+            may_wait = False
+            # Never block the subscription on the long-poll pool: with no slot
+            # free, a claim is answered without waiting.
+            if (
+                state.poll_sem is not None
+                and msg.subject.endswith(".claim")
+                and not state.poll_sem.locked()
+            ):
+                sem, may_wait = state.poll_sem, True
+            await sem.acquire()
+            try:
+                task = asyncio.create_task(self._serve_one(state, handler, msg, sem, may_wait))
+            except BaseException:
+                sem.release()
+                raise
             state.tasks.add(task)
             task.add_done_callback(state.tasks.discard)
 
         return on_message
 
     async def _serve_one(
-        self, state: _ChannelState, handler: Callable[[Msg], Awaitable[bytes]], msg: Msg
+        self,
+        state: _ChannelState,
+        handler: Handler,
+        msg: Msg,
+        sem: asyncio.Semaphore,
+        may_wait: bool,
     ) -> None:
-        assert state.sem is not None
         try:
             await state.gate.wait()
-            try:
-                reply = await handler(msg)
-            except (RepositoryError, wire.DecodeError, AuthError) as exc:
-                reply = wire.error_reply(exc.code, exc.message)
-            except Exception:
-                log.exception("handler_failed", subject=msg.subject)
-                reply = wire.error_reply("internal", "internal error")
+            reply = await self._answer(handler, msg, may_wait)
             state.handled += 1
             if msg.reply:
-                with contextlib.suppress(Exception):
+                nc = state.nc
+                if nc is not None and len(reply) > nc.max_payload:
+                    log.error("reply_too_large", subject=msg.subject, size=len(reply))
+                    reply = _error("internal", "reply too large")
+                try:
                     await msg.respond(reply)
+                except Exception as exc:
+                    log.warning(
+                        "reply_failed", subject=msg.subject, error=str(exc) or type(exc).__name__
+                    )
         finally:
-            state.sem.release()
+            sem.release()
 
-    async def _generation(self, host_id: str, presented: int) -> int | None:
-        cached = self._generations.get(host_id)
-        if cached is None or presented > cached:
-            # Another server process may have registered a newer session.
-            current = await self.repo.current_generation(host_id)
-            if current is None:
-                self._generations.pop(host_id, None)
-                return None
-            self._generations[host_id] = current
-            return current
-        return cached
+    async def _answer(self, handler: Handler, msg: Msg, may_wait: bool) -> bytes:
+        try:
+            return await handler(msg, may_wait)
+        except (wire.DecodeError, AuthError, RepositoryError) as exc:
+            code = exc.code
+            log.info(
+                "request_refused",
+                subject=msg.subject,
+                code=code,
+                reason=getattr(exc, "reason", None) or type(exc).__name__,
+                error=exc.message,
+            )
+            return _error(code, exc.message)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("handler_failed", subject=msg.subject)
+            return _error("internal", "internal error")
 
-    async def _host_message(self, msg: Msg) -> bytes:
+    # --- host messages -----------------------------------------------------------
+    async def _host_message(self, msg: Msg, may_wait: bool) -> bytes:
         try:
             hs = self.subjects.parse_host_subject(msg.subject)
         except ValueError as exc:
@@ -275,23 +459,77 @@ class Server:
         if expected is None:
             raise wire.DecodeError("unknown_verb", f"unknown verb {hs.verb!r}")
         env = wire.decode(msg.data)
-        if not isinstance(env.msg, expected):
+        if type(env.msg) is not expected:
             raise wire.DecodeError(
-                "wrong_type", f"{hs.verb} expects {expected.TYPE}, got {env.msg.TYPE}"
+                "wrong_type", f"{hs.verb} expects {expected.TYPE}, got {env.msg.TYPE}", field="t"
             )
-        if isinstance(env.msg, wire.Register):
-            return await self._register(hs.host_id, env.msg)
-        if env.auth is None:
+        m = self._sanitize(env.msg)
+        if isinstance(m, wire.Register):
+            return await self._register(hs.host_id, m)
+        auth = env.auth
+        if auth is None:
             raise AuthError("message is not signed", reason="unsigned")
-        if env.auth.host_id != hs.host_id:
+        if auth.host_id != hs.host_id:
             # Host A's session acting for host B: refused before anything of B is read.
             raise AuthError(
                 "session does not belong to this host", reason="host_mismatch", code="forbidden"
             )
-        generation = await self._generation(hs.host_id, env.auth.generation)
-        self.verifier.verify_envelope(msg.subject, env, generation)
-        session = Session(host_id=hs.host_id, generation=env.auth.generation)
-        return await self._host_verb(session, env.msg)
+        # Signature, freshness and replay first, against the presented
+        # generation's key: unauthenticated traffic never reaches the database.
+        self.verifier.verify_envelope(msg.subject, env, auth.generation)
+        # Artifact chunks touch no repository transaction before the commit, so
+        # they are checked against the database itself, not the cache.
+        fresh = isinstance(m, wire.ArtifactChunk)
+        await self._check_generation(hs.host_id, auth.generation, fresh=fresh)
+        session = Session(host_id=hs.host_id, generation=auth.generation)
+        try:
+            return await self._host_verb(session, m, may_wait)
+        except Unauthorized:
+            # Revoked or superseded behind this process's back: forget the cache.
+            self._generations.pop(hs.host_id, None)
+            raise
+
+    @staticmethod
+    def _sanitize(m: wire.Message) -> wire.Message:
+        """Edge checks wire.py leaves to the server: NUL characters, duplicate
+        device ids, sequence overflow. Log lines get U+FFFD for NUL instead of a
+        refusal: a program's output is not the host's to choose."""
+        if isinstance(m, wire.LogAppend):
+            if m.first_seq + max(len(m.lines) - 1, 0) > _INT64_MAX:
+                raise wire.DecodeError(
+                    "out_of_range", "first_seq + lines overflows", field="first_seq"
+                )
+            if any("\x00" in line for line in m.lines):
+                m = replace(m, lines=[line.replace("\x00", "\ufffd") for line in m.lines])
+            return m
+        if isinstance(m, wire.ArtifactChunk):
+            _reject_nul(m.name, "name")
+            return m
+        if isinstance(m, wire.Heartbeat):
+            seen: set[str] = set()
+            for i, d in enumerate(m.devices):
+                if d.device_id in seen:
+                    raise wire.DecodeError(
+                        "duplicate", f"devices[{i}].device_id is repeated", field="devices"
+                    )
+                seen.add(d.device_id)
+        _reject_nul(m.to_body(), m.TYPE)
+        return m
+
+    async def _check_generation(self, host_id: str, presented: int, *, fresh: bool) -> None:
+        cached = self._generations.get(host_id)
+        if not fresh and cached is not None:
+            if presented == cached:
+                return
+            if presented < cached:
+                raise AuthError("session superseded; register again", reason="generation")
+        current = await self.repo.current_generation(host_id)
+        if current is None:
+            self._generations.pop(host_id, None)
+            raise AuthError("unknown or revoked host", reason="no_session")
+        self._generations[host_id] = current
+        if presented != current:
+            raise AuthError("session superseded; register again", reason="generation")
 
     async def _register(self, host_id: str, m: wire.Register) -> bytes:
         if m.host_id != host_id:
@@ -312,7 +550,7 @@ class Server:
             )
         )
 
-    async def _host_verb(self, s: Session, m: wire.Message) -> bytes:
+    async def _host_verb(self, s: Session, m: wire.Message, may_wait: bool) -> bytes:
         cp = self.cp
         if isinstance(m, wire.Heartbeat):
             await cp.heartbeat(
@@ -341,8 +579,8 @@ class Server:
                             task_id=v.task_id,
                             attempt=v.attempt,
                             verdict=v.verdict,
-                            reason=v.reason,
-                            cancel_requested=v.cancel_requested,
+                            reason=v.reason or "",
+                            cancel_requested=bool(v.cancel_requested),
                             lease_expires_at=(
                                 wire.to_unix(v.lease_expires_at) if v.lease_expires_at else None
                             ),
@@ -352,7 +590,8 @@ class Server:
                 )
             )
         if isinstance(m, wire.Claim):
-            claimed = await cp.claim(s, wait_s=m.wait_s, device_ids=m.devices)
+            wait_s = m.wait_s if may_wait and not self._stopping else 0.0
+            claimed = await cp.claim(s, wait_s=wait_s, device_ids=list(m.devices))
             if claimed is None:
                 return wire.encode_reply(wire.NoWork())
             return wire.encode_reply(
@@ -430,95 +669,214 @@ class Server:
         raise wire.DecodeError("unknown_type", f"unexpected message {m.TYPE}")
 
     # --- artifacts -------------------------------------------------------------------
-    async def _artifact_chunk(self, s: Session, m: wire.ArtifactChunk) -> None:
-        key = (m.task_id, m.attempt, m.name)
-        upload = self._uploads.get(key)
-        if upload is None:
-            if m.offset != 0:
-                raise Conflict("the first artifact chunk must start at offset 0")
-            fd, path = tempfile.mkstemp(dir=self._upload_dir)
-            os.close(fd)
-            upload = self._uploads[key] = _Upload(path=Path(path))
-        if m.offset != upload.size:
-            if m.offset < upload.size:
-                return  # a retried chunk we already have
-            raise Conflict(f"artifact chunk at offset {m.offset}, expected {upload.size}")
-        if upload.size + len(m.data) > MAX_ARTIFACT_BYTES:
-            raise Invalid("artifact too large", field="data")
-        await asyncio.to_thread(_append, upload.path, m.data)
-        upload.size += len(m.data)
-        upload.digest.update(m.data)
+    def _chunk_subject(self, s: Session, task_id: str, attempt: int, name: str, offset: int) -> str:
+        # The name is the host's choice: hash it into one subject token. The host
+        # id is part of the subject, so no host can touch another's staging.
+        name_id = hashlib.sha256(name.encode("utf-8")).hexdigest()[:32]
+        return f"{self._staging_root}.{s.host_id}.{task_id}.{attempt}.{name_id}.{offset}"
 
-    async def _artifact_commit(self, s: Session, m: wire.ArtifactCommit) -> None:
-        key = (m.task_id, m.attempt, m.name)
-        upload = self._uploads.get(key)
-        if upload is None:
-            if m.size == 0:
-                fd, path = tempfile.mkstemp(dir=self._upload_dir)
-                os.close(fd)
-                upload = _Upload(path=Path(path))
-            else:
-                raise Conflict("no upload in progress for this artifact")
-        try:
-            if upload.size != m.size or upload.digest.hexdigest() != m.sha256:
-                raise Conflict("artifact size or digest does not match the chunks received")
-            object_name = f"{m.task_id}/{m.attempt}/{m.name}"
-            store = await self._store()
-            data = await asyncio.to_thread(upload.path.read_bytes)
-            await store.put(object_name, data)
-            await self.repo.record_artifact(
-                s,
-                m.task_id,
-                m.attempt,
-                name=m.name,
-                size=m.size,
-                sha256=m.sha256,
-                object_name=object_name,
-            )
-        finally:
-            self._uploads.pop(key, None)
-            with contextlib.suppress(OSError):
-                upload.path.unlink()
+    @staticmethod
+    def object_name(task_id: str, attempt: int, name: str, sha256: str) -> str:
+        """Content-addressed within the attempt: writing it again can only ever
+        write the same bytes, whoever writes it."""
+        return f"{task_id}/{attempt}/{sha256}/{name}"
+
+    async def _js(self) -> Any:
+        nc = self._channels[Channel.ARTIFACTS].nc
+        if nc is None:
+            raise Unavailable("the artifact channel is closed")
+        return nc.jetstream(timeout=10.0)
+
+    async def _staging(self) -> Any:
+        js = await self._js()
+        if not self._staging_ready:
+            async with self._js_lock:
+                if not self._staging_ready:
+                    try:
+                        await js.stream_info(self.staging_stream)
+                    except NotFoundError:
+                        with contextlib.suppress(Exception):
+                            await js.add_stream(
+                                name=self.staging_stream,
+                                subjects=[f"{self._staging_root}.>"],
+                                max_age=STAGING_MAX_AGE_S,
+                                max_msgs_per_subject=1,
+                                max_msg_size=wire.MAX_CHUNK_BYTES + 4096,
+                            )
+                        # Another process may have won the race: it must exist now.
+                        await js.stream_info(self.staging_stream)
+                    self._staging_ready = True
+        return js
 
     async def _store(self) -> Any:
         if self._object_store is None:
-            nc = self._channels[Channel.ARTIFACTS].nc
-            assert nc is not None
-            js = nc.jetstream()
-            bucket = f"{ARTIFACT_BUCKET}-{self.subjects.prefix.replace('.', '-')}"
-            try:
-                self._object_store = await js.object_store(bucket)
-            except Exception:
-                self._object_store = await js.create_object_store(bucket)
+            js = await self._js()
+            async with self._js_lock:
+                if self._object_store is None:
+                    try:
+                        self._object_store = await js.object_store(self.artifact_bucket)
+                    except NotFoundError:
+                        with contextlib.suppress(Exception):
+                            await js.create_object_store(self.artifact_bucket)
+                        self._object_store = await js.object_store(self.artifact_bucket)
         return self._object_store
+
+    async def _artifact_chunk(self, s: Session, m: wire.ArtifactChunk) -> None:
+        if m.offset + len(m.data) > MAX_ARTIFACT_BYTES:
+            raise Invalid(f"artifacts are limited to {MAX_ARTIFACT_BYTES} bytes", field="offset")
+        if not m.data:
+            return  # nothing to stage; an empty artifact is a commit of size 0
+        js = await self._staging()
+        subject = self._chunk_subject(s, m.task_id, m.attempt, m.name, m.offset)
+        await js.publish(subject, m.data, stream=self.staging_stream)
+
+    async def _artifact_commit(self, s: Session, m: wire.ArtifactCommit) -> None:
+        if m.size > MAX_ARTIFACT_BYTES:
+            raise Invalid(f"artifacts are limited to {MAX_ARTIFACT_BYTES} bytes", field="size")
+        object_name = self.object_name(m.task_id, m.attempt, m.name, m.sha256)
+        store = await self._store()
+        if not await self._stored(store, object_name, m.size):
+            await self._assemble_and_put(s, m, store, object_name)
+        await self.repo.record_artifact(
+            s,
+            m.task_id,
+            m.attempt,
+            name=m.name,
+            size=m.size,
+            sha256=m.sha256,
+            object_name=object_name,
+        )
+        log.info(
+            "artifact_committed",
+            host_id=s.host_id,
+            task_id=m.task_id,
+            attempt=m.attempt,
+            name=m.name,
+            size=m.size,
+        )
+        js = await self._staging()
+        filter_subject = self._chunk_subject(s, m.task_id, m.attempt, m.name, 0)[:-2] + ".>"
+        with contextlib.suppress(Exception):
+            await js.purge_stream(self.staging_stream, subject=filter_subject)
+
+    @staticmethod
+    async def _stored(store: Any, object_name: str, size: int) -> bool:
+        try:
+            info = await store.get_info(object_name)
+        except NotFoundError:
+            return False
+        return int(info.size or 0) == size
+
+    async def _assemble_and_put(
+        self, s: Session, m: wire.ArtifactCommit, store: Any, object_name: str
+    ) -> None:
+        js = await self._staging()
+        loop = asyncio.get_running_loop()
+        fd, path = tempfile.mkstemp(prefix="fleetlease-artifact-")
+        f = os.fdopen(fd, "w+b")
+        try:
+            digest = hashlib.sha256()
+            offset = 0
+            while offset < m.size:
+                subject = self._chunk_subject(s, m.task_id, m.attempt, m.name, offset)
+                try:
+                    raw = await js.get_last_msg(self.staging_stream, subject)
+                except NotFoundError:
+                    raise Conflict(
+                        f"artifact {m.name!r}: no chunk at offset {offset}", field="size"
+                    ) from None
+                data = bytes(raw.data or b"")
+                if not data or offset + len(data) > m.size:
+                    raise Conflict(
+                        f"artifact {m.name!r}: chunks do not add up to {m.size} bytes",
+                        field="size",
+                    )
+                digest.update(data)
+                await loop.run_in_executor(self._io, f.write, data)
+                offset += len(data)
+            if digest.hexdigest() != m.sha256:
+                raise Conflict(
+                    f"artifact {m.name!r}: digest does not match the chunks received",
+                    field="sha256",
+                )
+            await loop.run_in_executor(self._io, _rewind, f)
+            await store.put(object_name, cast(IO[bytes], f))
+        finally:
+            f.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     async def read_artifact(self, object_name: str) -> bytes:
         store = await self._store()
-        result = await store.get(object_name)
+        try:
+            result = await store.get(object_name)
+        except NotFoundError:
+            from persistence.errors import NotFound
+
+            raise NotFound(f"artifact object {object_name!r} is missing", field="name") from None
         return bytes(result.data or b"")
 
+    async def delete_storage(self) -> None:
+        """Remove this prefix's object store bucket and staging stream (tests)."""
+        js = await self._js()
+        with contextlib.suppress(Exception):
+            await js.delete_object_store(self.artifact_bucket)
+        with contextlib.suppress(Exception):
+            await js.delete_stream(self.staging_stream)
+        self._object_store = None
+        self._staging_ready = False
+
     # --- ops and events ---------------------------------------------------------------
-    async def _ops_message(self, msg: Msg) -> bytes:
-        verb = self.subjects.parse_ops_subject(msg.subject)
+    async def _ops_message(self, msg: Msg, may_wait: bool) -> bytes:
+        try:
+            verb = self.subjects.parse_ops_subject(msg.subject)
+        except ValueError as exc:
+            raise wire.DecodeError("bad_subject", str(exc)) from None
         env = wire.decode(msg.data)
         if not isinstance(env.msg, wire.OpsRequest):
-            raise wire.DecodeError("wrong_type", f"ops expects ops_request, got {env.msg.TYPE}")
+            raise wire.DecodeError(
+                "wrong_type", f"ops expects ops_request, got {env.msg.TYPE}", field="t"
+            )
         if env.msg.verb != verb:
             raise wire.DecodeError("wrong_verb", "verb does not match the subject", field="verb")
+        _reject_nul(env.msg.args, "args")
         if self.ops is None:
             raise Unavailable("the user API is not served here")
         data = await self.ops.handle(verb, env.msg.token, env.msg.args)
         return wire.encode_reply(wire.OpsReply(data=data))
 
-    def _publish_event(self, event: dict[str, Any]) -> None:
+    def _on_event(self, event: Any) -> None:
+        """Listener for the actor system's events; may be called from any thread."""
+        loop = self._loop
+        if loop is None or self._stopping or self._events_nc is None:
+            return
+        events = event if isinstance(event, list) else [event]
+        if threading.get_ident() == self._loop_thread:
+            self._publish_events(events)
+        else:
+            with contextlib.suppress(RuntimeError):  # loop closed: shutting down
+                loop.call_soon_threadsafe(self._publish_events, events)
+
+    def _publish_events(self, events: list[Any]) -> None:
         nc = self._events_nc
         if nc is None or self._stopping:
             return
-        payload = msgpack.packb(event, default=str)
-        task = asyncio.ensure_future(nc.publish(self.subjects.events_task(), payload))
-        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+        subject = self.subjects.events_task()
+        for event in events:
+            try:
+                payload = msgpack.packb(event, default=str, use_bin_type=True)
+            except (TypeError, ValueError):
+                log.warning("event_not_encodable")
+                continue
+            task = asyncio.ensure_future(nc.publish(subject, payload))
+            task.add_done_callback(_ignore_result)
 
 
-def _append(path: Path, data: bytes) -> None:
-    with open(path, "ab") as f:
-        f.write(data)
+def _ignore_result(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _rewind(f: IO[bytes]) -> None:
+    f.flush()
+    f.seek(0)
