@@ -1,0 +1,547 @@
+"""The actor runtime through the ControlPlane facade, with simulated in-process
+hosts and a real PostgreSQL. Time moves only through the ManualClock; the
+Reaper is poked after each advance. No sleeps stand in for conditions."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pykka
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from actors import failpoints
+from actors.messages import Crash
+from actors.runtime import ControlPlane
+from persistence.clock import ManualClock
+from persistence.errors import Conflict, Gone, Invalid, NotFound, Unauthorized, Unavailable
+from persistence.model import (
+    LeaseTimings,
+    Outcome,
+    RetryPolicy,
+    Session,
+    TaskState,
+    User,
+)
+from persistence.repository import Repository
+from tests.chaos.harness import (
+    SimHost,
+    attempt_rows,
+    retrying,
+    spec,
+    task_rows,
+    task_state,
+    wait_until,
+)
+
+TIMINGS = LeaseTimings(claim_s=30, ack_s=15, lease_s=30, liveness_s=1_000_000)
+ADMIN = User(name="admin", platform_admin=True)
+UNKNOWN_TASK = "0b0e5c52-9a2e-4f58-a7a3-0e0f1b8e2d6a"
+
+
+@pytest.fixture(autouse=True)
+def _stop_all_actors() -> Iterator[None]:
+    yield
+    failpoints.disarm()
+    pykka.ActorRegistry.stop_all()
+
+
+@pytest.fixture
+async def repo(engine: AsyncEngine, clock: ManualClock) -> Repository:
+    r = Repository(engine, clock, TIMINGS)
+    await r.add_user("admin", platform_admin=True)
+    await r.add_project("default", owner="admin")
+    return r
+
+
+@pytest.fixture
+async def cp(repo: Repository) -> AsyncIterator[ControlPlane]:
+    plane = ControlPlane(repo, scheduler_interval_s=0.5)
+    await plane.start()
+    try:
+        yield plane
+    finally:
+        await plane.stop()
+
+
+@pytest.fixture
+def events(cp: ControlPlane) -> list[dict[str, Any]]:
+    seen: list[dict[str, Any]] = []
+    cp.add_listener(seen.append)
+    return seen
+
+
+async def _state_is(engine: AsyncEngine, task_id: str, *states: str) -> None:
+    async def check() -> bool:
+        return await task_state(engine, task_id) in states
+
+    await wait_until(check, what=f"task {task_id} in {states}")
+
+
+async def _running(host: SimHost, engine: AsyncEngine, task_id: str) -> Any:
+    await _state_is(engine, task_id, "assigned")
+    c = await host.claim()
+    assert c is not None and c.task_id == task_id
+    status = await host.ack(c)
+    assert status.state is TaskState.RUNNING
+    return c
+
+
+# --- the happy path ------------------------------------------------------------------------
+
+
+async def test_a_task_goes_submit_assign_claim_ack_renew_done(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine, events: list[dict[str, Any]]
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec())
+    await _state_is(engine, task_id, "assigned")
+    assert cp.lease_actor(task_id) is not None
+
+    claimed = await host.claim()
+    assert claimed is not None
+    assert (claimed.task_id, claimed.attempt, claimed.device_id) == (task_id, 1, "h1-d0")
+    assert (await host.ack(claimed)).state is TaskState.RUNNING
+    renewed = await host.renew(claimed)
+    assert renewed.state is TaskState.RUNNING and not renewed.cancel_requested
+    progress = await cp.progress(host.s, task_id, 1, claimed.lease_token, 5)
+    assert progress.state is TaskState.RUNNING
+
+    record = await host.report(claimed, Outcome.DONE)
+    assert record.state is TaskState.DONE and not record.replayed
+    assert await task_state(engine, task_id) == "done"
+    await wait_until(lambda: cp.lease_actor(task_id) is None, what="the Lease actor to stop")
+    await wait_until(lambda: [e["state"] for e in events if e["task_id"] == task_id][-1] == "done")
+    states = [e["state"] for e in events if e["task_id"] == task_id]
+    assert states == ["queued", "assigned", "dispatched", "running", "done"]
+    assert all(e["attempt"] == 1 for e in events[1:] if e["task_id"] == task_id)
+
+
+async def test_a_waiting_claim_is_woken_by_a_new_assignment(
+    cp: ControlPlane, repo: Repository
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    waiting = asyncio.create_task(host.claim(wait_s=60))
+    await wait_until(lambda: "h1" in cp._waiters, what="the claim to wait")
+    assert not waiting.done()
+    task_id = await cp.submit(spec())
+    claimed = await asyncio.wait_for(waiting, 30)
+    assert claimed is not None and claimed.task_id == task_id
+    assert cp.host_wakeups >= 1
+
+
+async def test_a_claim_with_nothing_to_do_returns_none_when_its_wait_ends(
+    cp: ControlPlane, repo: Repository
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    assert await host.claim(wait_s=0.05) is None
+    assert "h1" not in cp._waiters
+
+
+async def test_a_claim_only_takes_assignments_on_the_devices_it_names(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine
+) -> None:
+    host = await SimHost.create(cp, repo, "h1", n_devices=2)
+    a = await cp.submit(spec())
+    await _state_is(engine, a, "assigned")
+    device = (await repo.pending_assignments("h1"))[0].device_id
+    other = next(d for d in host.devices if d != device)
+    assert await host.claim(device_ids=[other]) is None
+    claimed = await host.claim(device_ids=[device])
+    assert claimed is not None and claimed.task_id == a
+
+
+async def test_a_burst_of_submits_is_coalesced_into_a_few_assign_calls(repo: Repository) -> None:
+    cp = ControlPlane(repo, scheduler_interval_s=3600)
+    await cp.start()
+    try:
+        await wait_until(lambda: cp.metrics.get("assign_calls", 0) >= 1, what="the first pass")
+        gate = threading.Event()
+        failpoints.arm(failpoints.SCHEDULER_BEFORE_ASSIGN, pause=gate)
+        cp.wake_scheduler()
+        await wait_until(lambda: failpoints.paused(failpoints.SCHEDULER_BEFORE_ASSIGN) == 1)
+        before = cp.metrics["assign_calls"]
+        await asyncio.gather(*(cp.submit(spec()) for _ in range(1000)))
+        gate.set()
+        failpoints.disarm(failpoints.SCHEDULER_BEFORE_ASSIGN)
+        await wait_until(lambda: cp.metrics["assign_calls"] >= before + 1)
+        await wait_until(lambda: not cp.supervisor._wake_pending, what="the wake-ups drained")
+        # The paused pass, plus one for everything that arrived meanwhile.
+        assert cp.metrics["assign_calls"] - before <= 3
+    finally:
+        await cp.stop()
+
+
+# --- expiry -------------------------------------------------------------------------------
+
+
+async def test_an_unclaimed_assignment_expires_retries_and_fails_at_the_attempt_limit(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine, clock: ManualClock
+) -> None:
+    await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec(retry=RetryPolicy(max_attempts=2, backoff_base_s=0)))
+    await _state_is(engine, task_id, "assigned")
+
+    clock.advance(31)
+    cp.poke_reaper()
+
+    async def second_attempt() -> bool:
+        row = (await task_rows(engine))[task_id]
+        return row["status"] == "assigned" and row["attempt"] == 2
+
+    await wait_until(second_attempt, what="attempt 2 assigned")
+    await wait_until(lambda: _lease_attempt(cp, task_id) == 2, what="the attempt-2 Lease actor")
+
+    clock.advance(31)
+    cp.poke_reaper()
+    await _state_is(engine, task_id, "failed")
+    await wait_until(lambda: cp.lease_actor(task_id) is None, what="the Lease actor to stop")
+    reasons = [a["end_reason"] for a in await attempt_rows(engine) if a["task_id"] == task_id]
+    assert reasons == ["claim_expired", "claim_expired"]
+
+
+def _lease_attempt(cp: ControlPlane, task_id: str) -> int | None:
+    entry = cp.supervisor._leases.get(task_id)
+    return entry.assignment.attempt if entry is not None else None
+
+
+async def test_an_expired_lease_goes_to_retrying_and_its_renewal_is_refused(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine, clock: ManualClock
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec(retry=RetryPolicy(max_attempts=3, backoff_base_s=10)))
+    claimed = await _running(host, engine, task_id)
+
+    clock.advance(31)
+    cp.poke_reaper()
+    await _state_is(engine, task_id, "retrying")
+    with pytest.raises((Conflict, Gone)):
+        await host.renew(claimed)
+
+    clock.advance(11)
+    cp.poke_reaper()  # the retry became eligible; the reaper wakes the Scheduler
+
+    async def reassigned() -> bool:
+        row = (await task_rows(engine))[task_id]
+        return row["status"] == "assigned" and row["attempt"] == 2
+
+    await wait_until(reassigned, what="attempt 2 assigned")
+    again = await host.claim()
+    assert again is not None and again.attempt == 2
+    await host.ack(again)
+    assert (await host.report(again)).state is TaskState.DONE
+
+
+async def test_expiry_with_a_pending_cancel_ends_cancelled(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine, clock: ManualClock
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec())
+    claimed = await _running(host, engine, task_id)
+    record = await cp.cancel(task_id, ADMIN)
+    assert record.state is TaskState.RUNNING and not record.completed
+    clock.advance(31)
+    cp.poke_reaper()
+    await _state_is(engine, task_id, "cancelled")
+    with pytest.raises((Conflict, Gone)):
+        await host.renew(claimed)
+
+
+# --- cancel ------------------------------------------------------------------------------------
+
+
+async def test_a_cancel_in_flight_surfaces_on_renew_and_the_host_reports_cancelled(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec())
+    claimed = await _running(host, engine, task_id)
+    record = await cp.cancel(task_id, ADMIN)
+    assert not record.completed
+    assert (await host.renew(claimed)).cancel_requested
+    assert (await cp.cancel_poll(host.s, task_id, 1, claimed.lease_token)).cancel_requested
+    result = await host.report(claimed, Outcome.CANCELLED)
+    assert result.state is TaskState.CANCELLED
+    assert await task_state(engine, task_id) == "cancelled"
+
+
+async def test_a_cancel_of_a_queued_task_is_immediate(
+    cp: ControlPlane, engine: AsyncEngine
+) -> None:
+    task_id = await cp.submit(spec())  # no host: stays queued
+    record = await cp.cancel(task_id, ADMIN)
+    assert record.state is TaskState.CANCELLED
+    assert await task_state(engine, task_id) == "cancelled"
+
+
+# --- results -----------------------------------------------------------------------------------
+
+
+async def test_a_lost_result_reply_returns_the_recorded_outcome_on_retry(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec())
+    claimed = await _running(host, engine, task_id)
+    failpoints.arm(failpoints.LEASE_AFTER_COMMIT_BEFORE_REPLY, count=1)
+    with pytest.raises(Unavailable):
+        await host.report(claimed, Outcome.FAILED, reason="boom")
+    assert await task_state(engine, task_id) == "failed"
+    again = await host.report(claimed, Outcome.FAILED, reason="boom")
+    assert again.replayed and again.state is TaskState.FAILED
+    assert cp.metrics.get("restarts.lease", 0) == 1
+
+
+async def test_a_retryable_failure_goes_back_to_the_queue_and_runs_again(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec(retry=RetryPolicy(max_attempts=2, backoff_base_s=0)))
+    first = await _running(host, engine, task_id)
+    rec = await host.report(first, Outcome.FAILED, retryable=True, reason="flaky")
+    assert rec.state in (TaskState.RETRYING, TaskState.QUEUED)
+
+    async def second() -> bool:
+        row = (await task_rows(engine))[task_id]
+        return row["attempt"] == 2 and row["status"] == "assigned"
+
+    await wait_until(second, what="attempt 2")
+    again = await host.claim()
+    assert again is not None and again.attempt == 2
+    await host.ack(again)
+    assert (await host.report(again)).state is TaskState.DONE
+
+
+async def test_a_stale_attempts_report_does_not_change_the_newer_attempt(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine, clock: ManualClock
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec(retry=RetryPolicy(max_attempts=3, backoff_base_s=0)))
+    old = await _running(host, engine, task_id)
+    clock.advance(31)
+    cp.poke_reaper()
+
+    async def second() -> bool:
+        row = (await task_rows(engine))[task_id]
+        return row["attempt"] == 2 and row["status"] == "assigned"
+
+    await wait_until(second, what="attempt 2")
+    new = await host.claim()
+    assert new is not None and new.attempt == 2
+    with pytest.raises((Conflict, Gone)):
+        await host.report(old, Outcome.DONE)
+    row = (await task_rows(engine))[task_id]
+    assert (row["status"], row["attempt"]) == ("dispatched", 2)
+    await host.ack(new)
+    assert (await host.report(new)).state is TaskState.DONE
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+async def test_bad_input_gets_typed_errors_and_never_crashes_an_actor(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec())
+    claimed = await _running(host, engine, task_id)
+    lease = cp.lease_actor(task_id)
+    scheduler, reaper = cp.supervisor.scheduler, cp.supervisor.reaper
+    with pytest.raises(NotFound):
+        await cp.renew(host.s, UNKNOWN_TASK, 1, "token")
+    with pytest.raises(Invalid):
+        await cp.renew(host.s, "not-a-uuid", 1, "token")
+    with pytest.raises(Invalid):
+        await cp.renew(host.s, task_id, "1", "token")  # type: ignore[arg-type]
+    with pytest.raises(Invalid):
+        await cp.progress(host.s, task_id, 1, claimed.lease_token, -1)
+    with pytest.raises(Invalid):
+        await cp.report_result(
+            host.s, task_id, 1, claimed.lease_token, outcome="exploded", fingerprint="f"
+        )
+    with pytest.raises(Invalid):
+        await cp.claim(host.s, wait_s=-1)
+    with pytest.raises((Conflict, Unauthorized, Gone)):
+        await cp.renew(host.s, task_id, 1, "wrong-token")
+    with pytest.raises((Conflict, Gone)):
+        await cp.renew(host.s, task_id, 7, claimed.lease_token)
+    with pytest.raises(Unauthorized):
+        await cp.renew(Session(host_id="h1", generation=99), task_id, 1, claimed.lease_token)
+    # Raw garbage straight into the actors' inboxes.
+    for ref in (lease, scheduler, reaper):
+        assert ref is not None
+        ref.tell("garbage")
+        ref.tell({"t": "renew"})
+    assert cp.lease_actor(task_id) is lease
+    assert lease is not None and lease.is_alive()
+    assert cp.supervisor.scheduler is scheduler and cp.supervisor.reaper is reaper
+    assert (await host.renew(claimed)).state is TaskState.RUNNING
+    assert cp.metrics.get("restarts.lease", 0) == 0
+
+
+# --- supervision ----------------------------------------------------------------------------------
+
+
+async def test_a_crashed_scheduler_is_replaced_and_assignment_continues(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    old = cp.supervisor.scheduler
+    assert old is not None
+    old.tell(Crash())
+    await wait_until(lambda: cp.supervisor.scheduler is not old, what="a new Scheduler")
+    assert not old.is_alive()
+    task_id = await cp.submit(spec())
+    await _running(host, engine, task_id)
+    assert cp.metrics["restarts.scheduler"] == 1
+
+
+async def test_a_scheduler_crash_between_assign_commit_and_lease_start_loses_nothing(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine
+) -> None:
+    host = await SimHost.create(cp, repo, "h1", n_devices=3)
+    failpoints.arm(failpoints.SCHEDULER_AFTER_ASSIGN_COMMIT, count=1)
+    ids = await cp.submit_many([spec() for _ in range(3)])
+    await wait_until(lambda: cp.metrics.get("restarts.scheduler", 0) == 1, what="the crash")
+    for t in ids:
+        await _state_is(engine, t, "assigned")
+    # The replacement rebuilt a Lease actor for every committed assignment.
+    await wait_until(lambda: all(cp.lease_actor(t) is not None for t in ids))
+    got = []
+    for _ in ids:
+        c = await host.claim(wait_s=10)
+        assert c is not None
+        got.append(c.task_id)
+        await host.ack(c)
+        await host.report(c)
+    assert sorted(got) == sorted(ids)
+
+
+async def test_a_crashed_reaper_is_replaced_and_expiry_continues(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine, clock: ManualClock
+) -> None:
+    await SimHost.create(cp, repo, "h1")
+    old = cp.supervisor.reaper
+    assert old is not None
+    old.tell(Crash())
+    await wait_until(lambda: cp.supervisor.reaper is not old, what="a new Reaper")
+    task_id = await cp.submit(spec(retry=RetryPolicy(max_attempts=1)))
+    await _state_is(engine, task_id, "assigned")
+    clock.advance(31)
+    assert cp.poke_reaper()
+    await _state_is(engine, task_id, "failed")
+
+
+async def test_a_reaper_crash_after_its_commit_still_ends_the_lease_actors(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine, clock: ManualClock
+) -> None:
+    await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec(retry=RetryPolicy(max_attempts=1)))
+    await _state_is(engine, task_id, "assigned")
+    await wait_until(lambda: cp.lease_actor(task_id) is not None)
+    failpoints.arm(failpoints.REAPER_AFTER_EXPIRE_COMMIT, count=1)
+    clock.advance(31)
+    cp.poke_reaper()
+    await wait_until(lambda: cp.metrics.get("restarts.reaper", 0) == 1, what="the crash")
+    await _state_is(engine, task_id, "failed")
+    await wait_until(lambda: cp.lease_actor(task_id) is None, what="the stale Lease actor ended")
+
+
+async def test_a_crashed_lease_actor_is_rebuilt_from_the_database(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec())
+    claimed = await _running(host, engine, task_id)
+    old = cp.lease_actor(task_id)
+    assert old is not None
+    old.tell(Crash())
+    await wait_until(lambda: cp.lease_actor(task_id) not in (None, old), what="a new Lease actor")
+    assert (await retrying(lambda: host.renew(claimed))).state is TaskState.RUNNING
+    assert (await host.report(claimed)).state is TaskState.DONE
+    assert cp.metrics["restarts.lease"] == 1
+
+
+async def test_a_lease_actor_crash_before_commit_changes_nothing_and_the_retry_succeeds(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec())
+    claimed = await _running(host, engine, task_id)
+    failpoints.arm(failpoints.LEASE_BEFORE_COMMIT, count=1)
+    with pytest.raises(Unavailable):
+        await host.report(claimed)
+    assert await task_state(engine, task_id) == "running"
+    record = await retrying(lambda: host.report(claimed))
+    assert record.state is TaskState.DONE and not record.replayed
+
+
+async def test_an_actor_stopped_from_outside_is_restarted(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec())
+    claimed = await _running(host, engine, task_id)
+    old = cp.lease_actor(task_id)
+    assert old is not None
+    await asyncio.get_running_loop().run_in_executor(None, old.stop)
+    await wait_until(lambda: cp.lease_actor(task_id) not in (None, old))
+    assert (await host.renew(claimed)).state is TaskState.RUNNING
+
+
+async def test_a_message_to_a_dead_lease_actor_is_unavailable_not_a_hang(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec())
+    claimed = await _running(host, engine, task_id)
+    gate = threading.Event()
+    failpoints.arm(failpoints.LEASE_BEFORE_COMMIT, pause=gate, count=1)
+    first = asyncio.create_task(host.renew(claimed))
+    await wait_until(lambda: failpoints.paused(failpoints.LEASE_BEFORE_COMMIT) == 1)
+    queued = asyncio.create_task(host.renew(claimed))  # waits in the inbox
+    lease = cp.lease_actor(task_id)
+    assert lease is not None
+    lease.tell(Crash())
+    failpoints.disarm(failpoints.LEASE_BEFORE_COMMIT)
+    gate.set()
+    assert (await first).state is TaskState.RUNNING
+    with pytest.raises(Unavailable):
+        await asyncio.wait_for(queued, 30)
+    assert (await retrying(lambda: host.renew(claimed))).state is TaskState.RUNNING
+
+
+async def test_a_restarted_control_plane_rebuilds_lease_actors_from_the_database(
+    repo: Repository, engine: AsyncEngine
+) -> None:
+    first = ControlPlane(repo, scheduler_interval_s=0.5)
+    await first.start()
+    host = await SimHost.create(first, repo, "h1")
+    task_id = await first.submit(spec())
+    claimed = await _running(host, engine, task_id)
+    await first.stop()
+    pykka.ActorRegistry.stop_all()
+
+    second = ControlPlane(repo, scheduler_interval_s=0.5)
+    await second.start()
+    try:
+        assert second.lease_actor(task_id) is not None
+        host.cp = second
+        assert (await host.renew(claimed)).state is TaskState.RUNNING
+        assert (await host.report(claimed)).state is TaskState.DONE
+    finally:
+        await second.stop()
+
+
+async def test_stop_is_graceful_and_refuses_new_work(cp: ControlPlane, repo: Repository) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    waiting = asyncio.create_task(host.claim(wait_s=60))
+    await wait_until(lambda: "h1" in cp._waiters)
+    await cp.stop()
+    assert await asyncio.wait_for(waiting, 10) is None
+    with pytest.raises(Unavailable):
+        await cp.submit(spec())
+    assert not [r for r in pykka.ActorRegistry.get_all() if r.is_alive()]
