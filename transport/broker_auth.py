@@ -1,0 +1,619 @@
+"""Broker-level identities: the NATS auth callout served by the control plane.
+
+Every client of the fleet's NATS connects as itself (issue 11). The nats-server
+(2.10 or newer) hands each connection attempt to this service as an
+authorization request (a JWT signed by the server, published on
+``$SYS.REQ.USER.AUTH`` in the ``AUTH`` account); the service checks the
+principal and replies with an authorization response carrying a user JWT,
+signed by the callout issuer account key, that binds the connection to the
+``FLEET`` account with exactly that principal's permissions:
+
+* a host ``X``: publish ``{p}.host.X.>``; subscribe ``_INBOX_{p}.host.X.>``.
+* an ops user ``U``: publish ``{p}.ops.>``; subscribe ``_INBOX_{p}.ops.U.>``.
+* nobody else may subscribe to a request subject or to another principal's
+  inbox; only the control plane's own connections (static nkey users that
+  bypass the callout, see ``transport/broker_config.py``) may.
+
+No secret crosses the wire at connect. The client states who it is in the
+CONNECT ``auth_token`` field (``host:X`` or ``user:U``, not a secret) and
+answers the server's per-connection nonce (sent in INFO) in the ``sig`` field
+with a SCRAM-style proof (RFC 5802's construction)::
+
+    client_key = the raw credential or user token (64 hex characters, as bytes)
+    stored_key = SHA-256(client_key)                    # what PostgreSQL holds
+    mask       = HMAC-SHA512(stored_key, "fleetlease-connect-v1" 0 identity 0 nonce)
+    proof      = client_key XOR mask                    # sent, base64url
+
+The service recomputes ``mask`` from the stored hash, unmasks the proof and
+compares SHA-256 of the result with the stored hash in constant time. An
+eavesdropper sees only a proof bound to a nonce the server never reuses; the
+database alone does not let anyone log in (the hash is not the credential).
+Like SCRAM, someone holding both the database hash *and* a recorded exchange
+could unmask that exchange's credential: production runs NATS over TLS (see
+``broker_config``), which also stops a relay of the nonce.
+
+The same construction, bound to a host-chosen timestamp and nonce instead of the
+server's, lets ``Register`` prove possession of the credential without carrying
+it (:func:`register_proof` / :func:`open_register_proof`), so the application
+layer stays safe on a broker without these permissions.
+
+Revocation: :meth:`BrokerAuthService.disconnect` asks every known server
+(``$SYS.REQ.SERVER.<id>.CONNZ``) for the principal's connections and kicks them
+(``$SYS.REQ.SERVER.<id>.KICK``); their reconnects come back through the callout,
+which refuses a revoked host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import nacl.exceptions
+import nacl.signing
+import nkeys
+import structlog
+
+from persistence.secrets import hash_secret
+from transport.subjects import Subjects, is_valid_token
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NatsClient
+    from nats.aio.msg import Msg
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+log = structlog.get_logger("fleetlease.broker_auth")
+
+AUTH_CALLOUT_SUBJECT = "$SYS.REQ.USER.AUTH"
+AUTH_QUEUE = "fleetlease-auth"
+#: The account every fleet principal and the control plane live in.
+FLEET_ACCOUNT = "FLEET"
+AUTH_ACCOUNT = "AUTH"
+SYS_ACCOUNT = "SYS"
+
+CLIENT_KEY_LEN = 64
+_CONNECT_DOMAIN = b"fleetlease-connect-v1\0"
+_REGISTER_DOMAIN = b"fleetlease-register-v1\0"
+_JWT_HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
+#: The one message every refusal gets: unknown, revoked and wrong proof look alike.
+REFUSED = "authentication failed"
+
+Kind = Literal["host", "user"]
+
+
+class BrokerAuthError(Exception):
+    """A malformed key, JWT or proof."""
+
+
+# -- nkeys ---------------------------------------------------------------------
+
+
+def _b32decode(text: str) -> bytes:
+    pad = "=" * (-len(text) % 8)
+    try:
+        return base64.b32decode(text + pad)
+    except (ValueError, TypeError) as exc:
+        raise BrokerAuthError("bad nkey encoding") from exc
+
+
+def _b32encode(data: bytes) -> str:
+    return base64.b32encode(data).decode("ascii").rstrip("=")
+
+
+def _crc(data: bytes) -> bytes:
+    crc = nkeys.crc16(bytearray(data))
+    return bytes([crc & 0xFF, crc >> 8])
+
+
+def public_key_raw(public: str) -> bytes:
+    """The 32 raw Ed25519 bytes of an encoded public nkey (``U...``, ``A...``,
+    ``N...``), checksum verified."""
+    raw = _b32decode(public)
+    if len(raw) != 35 or not nkeys.valid_public_prefix_byte(raw[0]):
+        raise BrokerAuthError("not a public nkey")
+    if _crc(raw[:-2]) != raw[-2:]:
+        raise BrokerAuthError("bad nkey checksum")
+    return raw[1:33]
+
+
+def encode_public(prefix: int, raw: bytes) -> str:
+    body = bytes([prefix]) + raw
+    return _b32encode(body + _crc(body))
+
+
+def seed_from_raw(prefix: int, raw: bytes) -> str:
+    """An encoded nkey seed (``SU...``, ``SA...``) from 32 raw bytes."""
+    if len(raw) != 32:
+        raise BrokerAuthError("an nkey seed is 32 bytes")
+    return bytes(nkeys.encode_seed(bytearray(raw), prefix)).decode("ascii")
+
+
+def new_seed(prefix: int) -> str:
+    """A fresh random nkey seed of the given kind (``nkeys.PREFIX_BYTE_*``)."""
+    import secrets
+
+    return seed_from_raw(prefix, secrets.token_bytes(32))
+
+
+def public_key(seed: str) -> str:
+    kp = nkeys.from_seed(bytearray(seed.encode("ascii")))
+    return bytes(kp.public_key).decode("ascii")
+
+
+def verify_signature(public: str, data: bytes, signature: bytes) -> bool:
+    try:
+        nacl.signing.VerifyKey(public_key_raw(public)).verify(data, signature)
+    except (nacl.exceptions.BadSignatureError, BrokerAuthError, ValueError):
+        return False
+    return True
+
+
+# -- JWTs ----------------------------------------------------------------------
+
+
+def _b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode("ascii").rstrip("=")
+
+
+def _unb64url(text: str) -> bytes:
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (ValueError, TypeError) as exc:
+        raise BrokerAuthError("bad base64url") from exc
+
+
+def encode_jwt(claims: dict[str, Any], seed: str) -> str:
+    """A NATS JWT (``ed25519-nkey``) of ``claims`` signed with ``seed``; sets
+    ``iss``, ``iat`` and ``jti``."""
+    kp = nkeys.from_seed(bytearray(seed.encode("ascii")))
+    body = dict(claims)
+    body["iss"] = bytes(kp.public_key).decode("ascii")
+    body.setdefault("iat", int(time.time()))
+    body.pop("jti", None)
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).digest()
+    body["jti"] = _b32encode(digest)
+    head = _b64url(json.dumps(_JWT_HEADER, separators=(",", ":")).encode())
+    payload = _b64url(json.dumps(body, separators=(",", ":")).encode())
+    signing_input = f"{head}.{payload}".encode("ascii")
+    return f"{head}.{payload}.{_b64url(bytes(kp.sign(signing_input)))}"
+
+
+def decode_jwt(token: str) -> dict[str, Any]:
+    """The claims of a NATS JWT whose signature verifies against its own ``iss``
+    (callers then check that ``iss`` is a key they trust)."""
+    parts = token.strip().split(".")
+    if len(parts) != 3:
+        raise BrokerAuthError("not a JWT")
+    try:
+        header = json.loads(_unb64url(parts[0]))
+        claims = json.loads(_unb64url(parts[1]))
+    except ValueError as exc:
+        raise BrokerAuthError("bad JWT json") from exc
+    if not isinstance(header, dict) or header.get("alg") not in ("ed25519-nkey", "ed25519"):
+        raise BrokerAuthError("unsupported JWT algorithm")
+    if not isinstance(claims, dict) or not isinstance(claims.get("iss"), str):
+        raise BrokerAuthError("JWT without issuer")
+    signing_input = f"{parts[0]}.{parts[1]}".encode("ascii")
+    if not verify_signature(claims["iss"], signing_input, _unb64url(parts[2])):
+        raise BrokerAuthError("bad JWT signature")
+    return claims
+
+
+# -- proofs of possession ---------------------------------------------------------
+
+
+def _client_key(secret: str) -> bytes:
+    raw = secret.encode("utf-8")
+    if len(raw) != CLIENT_KEY_LEN:
+        raise BrokerAuthError(f"a credential or token is {CLIENT_KEY_LEN} characters")
+    return raw
+
+
+def _mask(stored_hash: bytes, domain: bytes, *parts: bytes) -> bytes:
+    return hmac.new(stored_hash, domain + b"\0".join(parts), hashlib.sha512).digest()
+
+
+def _xor(a: bytes, b: bytes) -> bytes:
+    return bytes(x ^ y for x, y in zip(a, b, strict=True))
+
+
+def connect_proof(secret: str, identity: str, nonce: str) -> bytes:
+    """The CONNECT ``sig`` (base64url bytes) proving possession of ``secret`` for
+    ``identity`` (``host:X`` / ``user:U``) against the server's ``nonce``."""
+    key = _client_key(secret)
+    mask = _mask(hash_secret(secret), _CONNECT_DOMAIN, identity.encode(), nonce.encode())
+    return _b64url(_xor(key, mask)).encode("ascii")
+
+
+def check_connect_proof(stored_hash: bytes, identity: str, nonce: str, proof: str) -> bool:
+    """Whether ``proof`` shows possession of the secret hashing to ``stored_hash``.
+    Constant-time in the comparison that matters."""
+    try:
+        raw = _unb64url(proof)
+    except BrokerAuthError:
+        return False
+    if len(raw) != CLIENT_KEY_LEN or len(stored_hash) != hashlib.sha256().digest_size:
+        return False
+    mask = _mask(stored_hash, _CONNECT_DOMAIN, identity.encode(), nonce.encode())
+    candidate = hashlib.sha256(_xor(raw, mask)).digest()
+    return hmac.compare_digest(candidate, stored_hash)
+
+
+def register_proof(credential: str, host_id: str, ts_ms: int, nonce: bytes) -> bytes:
+    """What a ``Register`` carries instead of the credential: the credential masked
+    with a key only the holder of its hash can derive, bound to the host, a
+    timestamp and a fresh nonce (64 bytes)."""
+    key = _client_key(credential)
+    mask = _mask(
+        hash_secret(credential),
+        _REGISTER_DOMAIN,
+        host_id.encode(),
+        str(ts_ms).encode(),
+        nonce,
+    )
+    return _xor(key, mask)
+
+
+def open_register_proof(
+    stored_hash: bytes, host_id: str, ts_ms: int, nonce: bytes, proof: bytes
+) -> str | None:
+    """The credential inside a register proof, or None if it does not hash to
+    ``stored_hash`` (compared in constant time). The caller checks ``ts_ms`` is
+    fresh and the nonce unseen, then hands the credential to
+    ``Repository.register_session`` unchanged."""
+    if len(proof) != CLIENT_KEY_LEN or len(stored_hash) != hashlib.sha256().digest_size:
+        return None
+    mask = _mask(stored_hash, _REGISTER_DOMAIN, host_id.encode(), str(ts_ms).encode(), nonce)
+    candidate = _xor(proof, mask)
+    if not hmac.compare_digest(hashlib.sha256(candidate).digest(), stored_hash):
+        return None
+    try:
+        return candidate.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+
+
+# -- client side ----------------------------------------------------------------------
+
+
+def identity(kind: Kind, name: str) -> str:
+    if kind not in ("host", "user"):
+        raise ValueError(f"kind must be host or user, got {kind!r}")
+    if not is_valid_token(name):
+        raise ValueError(f"{kind} name must be a subject token, got {name!r}")
+    return f"{kind}:{name}"
+
+
+def _connect_options(ident: str, secret: str) -> dict[str, Any]:
+    _client_key(secret)  # fail early on a malformed secret
+
+    def sign(nonce: str) -> bytes:
+        return connect_proof(secret, ident, nonce)
+
+    # nats-py sends ``sig`` (from signature_cb over the INFO nonce) together with
+    # ``auth_token`` when both are set; the token here is only the claimed identity.
+    return {"token": ident, "signature_cb": sign}
+
+
+def host_connect_options(host_id: str, credential: str) -> dict[str, Any]:
+    """``connect_options`` for ``HostClient`` on a secured broker."""
+    return _connect_options(identity("host", host_id), credential)
+
+
+def user_connect_options(user: str, token: str, subjects: Subjects | None = None) -> dict[str, Any]:
+    """``nats.connect`` options for an ops user on a secured broker (with the
+    user's own inbox prefix, the only one it may subscribe to)."""
+    opts = _connect_options(identity("user", user), token)
+    opts["inbox_prefix"] = (subjects or Subjects()).ops_inbox_prefix(user).encode()
+    return opts
+
+
+# -- permissions ------------------------------------------------------------------------
+
+
+def permissions(subjects: Subjects, kind: Kind, name: str) -> dict[str, Any]:
+    """The pub/sub allow lists of a principal (everything else is denied)."""
+    if kind == "host":
+        pub = [f"{subjects.prefix}.host.{name}.>"]
+        sub = [f"{subjects.host_inbox_prefix(name)}.>"]
+    elif kind == "user":
+        pub = [f"{subjects.prefix}.ops.>"]
+        sub = [f"{subjects.ops_inbox_prefix(name)}.>"]
+    else:  # pragma: no cover - Kind is closed
+        raise ValueError(kind)
+    return {"pub": {"allow": pub}, "sub": {"allow": sub}}
+
+
+def user_claims(
+    subjects: Subjects, kind: Kind, name: str, user_nkey: str, *, expires_s: float | None
+) -> dict[str, Any]:
+    claims: dict[str, Any] = {
+        "sub": user_nkey,
+        "aud": FLEET_ACCOUNT,
+        "name": identity(kind, name),
+        "nats": {
+            **permissions(subjects, kind, name),
+            "subs": -1,
+            "data": -1,
+            "payload": -1,
+            "type": "user",
+            "version": 2,
+        },
+    }
+    if expires_s is not None:
+        claims["exp"] = int(time.time() + expires_s)
+    return claims
+
+
+# -- credential lookup --------------------------------------------------------------------
+
+
+class CredentialStore(Protocol):
+    """Where the callout finds stored hashes. ``None``: unknown, or revoked."""
+
+    async def host_hash(self, host_id: str) -> bytes | None: ...
+
+    async def user_hash(self, user: str) -> bytes | None: ...
+
+
+class SqlCredentialStore:
+    """Reads ``hosts.credential_hash`` / ``users.token_hash`` (read only; the
+    repository stays the only writer)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def host_hash(self, host_id: str) -> bytes | None:
+        import sqlalchemy as sa
+
+        from persistence.tables import hosts
+
+        query = sa.select(hosts.c.credential_hash).where(
+            hosts.c.host_id == host_id, hosts.c.revoked_at.is_(None)
+        )
+        async with self.engine.connect() as conn:
+            value = (await conn.execute(query)).scalar_one_or_none()
+        return bytes(value) if value is not None else None
+
+    async def user_hash(self, user: str) -> bytes | None:
+        import sqlalchemy as sa
+
+        from persistence.tables import users
+
+        query = sa.select(users.c.token_hash).where(users.c.name == user)
+        async with self.engine.connect() as conn:
+            value = (await conn.execute(query)).scalar_one_or_none()
+        return bytes(value) if value is not None else None
+
+
+# -- the service ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: Kind
+    name: str
+
+
+class BrokerAuthService:
+    """The auth callout responder plus the revocation kicker.
+
+    ``service_seed`` is the nkey of the callout service user (``AUTH`` account,
+    exempt from the callout), ``issuer_seed`` the account nkey whose public key
+    the server config names as the callout issuer, ``system_seed`` a ``SYS``
+    account user for CONNZ/KICK (optional: without it :meth:`disconnect` is a
+    no-op and revocation waits for the JWT expiry)."""
+
+    def __init__(
+        self,
+        *,
+        nats_url: str,
+        store: CredentialStore,
+        issuer_seed: str,
+        service_seed: str,
+        system_seed: str | None = None,
+        subjects: Subjects | None = None,
+        jwt_expires_s: float | None = None,
+        connect_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.nats_url = nats_url
+        self.store = store
+        self.subjects = subjects or Subjects()
+        self._issuer_seed = issuer_seed
+        self.issuer = public_key(issuer_seed)
+        self._service_seed = service_seed
+        self._system_seed = system_seed
+        self.jwt_expires_s = jwt_expires_s
+        self._connect_options = dict(connect_options or {})
+        self._nc: NatsClient | None = None
+        self._sys: NatsClient | None = None
+        self._server_ids: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.granted = 0
+        self.refused = 0
+
+    async def _connect(self, seed: str, name: str) -> NatsClient:
+        import nats
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("broker_auth_nats_error", conn=name, error=str(exc) or type(exc).__name__)
+
+        opts: dict[str, Any] = {
+            "name": name,
+            "nkeys_seed_str": seed,
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": 0.5,
+            "error_cb": on_error,
+        }
+        opts.update(self._connect_options)
+        return await nats.connect(self.nats_url, **opts)
+
+    async def start(self) -> BrokerAuthService:
+        try:
+            self._nc = await self._connect(self._service_seed, "fleetlease-auth-callout")
+            await self._nc.subscribe(AUTH_CALLOUT_SUBJECT, queue=AUTH_QUEUE, cb=self._on_request)
+            await self._nc.flush()
+            if self._system_seed is not None:
+                self._sys = await self._connect(self._system_seed, "fleetlease-auth-system")
+                server_id = self._sys._server_info.get("server_id")
+                if isinstance(server_id, str):
+                    self._server_ids.add(server_id)
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("broker_auth_started", issuer=self.issuer)
+        return self
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for nc in (self._nc, self._sys):
+            if nc is not None:
+                with contextlib.suppress(Exception):
+                    await nc.drain()
+        self._nc = self._sys = None
+
+    async def __aenter__(self) -> BrokerAuthService:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- callout ---------------------------------------------------------------
+    async def _on_request(self, msg: Msg) -> None:
+        # One task per request: a slow database lookup never holds up the others.
+        task = asyncio.create_task(self._answer(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, msg: Msg) -> None:
+        try:
+            request = decode_jwt(msg.data.decode("ascii"))
+        except (BrokerAuthError, UnicodeDecodeError):
+            log.warning("broker_auth_bad_request")
+            return  # not from a server: no reply, the connect times out
+        nats_claims = request.get("nats")
+        if not isinstance(nats_claims, dict):
+            return
+        server = nats_claims.get("server_id") or {}
+        server_id = server.get("id") if isinstance(server, dict) else None
+        user_nkey = nats_claims.get("user_nkey")
+        if (
+            not isinstance(server_id, str)
+            or server_id != request.get("iss")
+            or not isinstance(user_nkey, str)
+        ):
+            log.warning("broker_auth_bad_request")
+            return
+        self._server_ids.add(server_id)
+        response: dict[str, Any] = {
+            "sub": user_nkey,
+            "aud": server_id,
+            "nats": {"type": "authorization_response", "version": 2},
+        }
+        try:
+            decision = await self.authorize(nats_claims)
+        except Exception:
+            log.exception("broker_auth_failed")
+            decision = None
+        if decision is None:
+            self.refused += 1
+            response["nats"]["error"] = REFUSED
+        else:
+            self.granted += 1
+            response["nats"]["jwt"] = encode_jwt(
+                user_claims(
+                    self.subjects,
+                    decision.kind,
+                    decision.name,
+                    user_nkey,
+                    expires_s=self.jwt_expires_s,
+                ),
+                self._issuer_seed,
+            )
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await msg.respond(encode_jwt(response, self._issuer_seed).encode("ascii"))
+
+    async def authorize(self, nats_claims: dict[str, Any]) -> Decision | None:
+        """The principal a connect request proves, or None."""
+        opts = nats_claims.get("connect_opts") or {}
+        client = nats_claims.get("client_info") or {}
+        if not isinstance(opts, dict) or not isinstance(client, dict):
+            return None
+        ident = opts.get("auth_token")
+        proof = opts.get("sig")
+        nonce = client.get("nonce")
+        if not (isinstance(ident, str) and isinstance(proof, str) and isinstance(nonce, str)):
+            return None
+        if not nonce:
+            return None
+        kind, _, name = ident.partition(":")
+        if kind not in ("host", "user") or not is_valid_token(name):
+            return None
+        if kind == "host":
+            stored = await self.store.host_hash(name)
+        else:
+            stored = await self.store.user_hash(name)
+        if stored is None:
+            return None
+        if not check_connect_proof(stored, ident, nonce, proof):
+            return None
+        return Decision(kind="host" if kind == "host" else "user", name=name)
+
+    # -- revocation ------------------------------------------------------------------
+    async def disconnect(self, kind: Kind, name: str, timeout_s: float = 5.0) -> int:
+        """Kick every live connection of a principal on every server this service
+        has seen; returns how many were kicked. Call it after the revocation is
+        durable, so that the reconnects are refused."""
+        if self._sys is None:
+            return 0
+        wanted = identity(kind, name)
+        kicked = 0
+        for server_id in sorted(self._server_ids):
+            for cid in await self._connections_of(server_id, wanted, timeout_s):
+                reply = await self._sys.request(
+                    f"$SYS.REQ.SERVER.{server_id}.KICK",
+                    json.dumps({"cid": cid}).encode(),
+                    timeout=timeout_s,
+                )
+                answer = json.loads(reply.data or b"{}")
+                if answer.get("error"):
+                    log.warning("broker_kick_failed", cid=cid, error=answer["error"])
+                else:
+                    kicked += 1
+        log.info("broker_disconnected", principal=wanted, connections=kicked)
+        return kicked
+
+    async def disconnect_host(self, host_id: str, timeout_s: float = 5.0) -> int:
+        return await self.disconnect("host", host_id, timeout_s)
+
+    async def _connections_of(self, server_id: str, wanted: str, timeout_s: float) -> list[int]:
+        assert self._sys is not None
+        cids: list[int] = []
+        offset = 0
+        while True:
+            reply = await self._sys.request(
+                f"$SYS.REQ.SERVER.{server_id}.CONNZ",
+                json.dumps({"auth": True, "offset": offset, "limit": 1024}).encode(),
+                timeout=timeout_s,
+            )
+            data = json.loads(reply.data or b"{}").get("data") or {}
+            conns = data.get("connections") or []
+            for conn in conns:
+                if conn.get("authorized_user") == wanted and isinstance(conn.get("cid"), int):
+                    cids.append(conn["cid"])
+            offset += len(conns)
+            if not conns or offset >= int(data.get("total", 0)):
+                return cids
+
+
+#: An async hook the ops side can call after ``Repository.revoke_host``.
+DisconnectHook = Callable[[str], Awaitable[int]]
