@@ -1,0 +1,152 @@
+"""``fleetlease agent``: run the host agent (outbound connections only).
+
+NATS URL: ``--nats-url`` > ``FLEETLEASE_NATS_URL`` > the context file of the
+state dir (written by ``fleetlease up``). The agent keeps its journal in
+``<state dir>/agents/<host id>/`` and holds a lock there, so two agents for one
+host never share a journal. SIGTERM or SIGINT: stop claiming, let running
+attempts finish within ``--grace-s``, hand back the rest, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from ops.cli import EXIT_DENIED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError
+from ops.config import ConfigError, ensure_state_dir, from_args
+from ops.logging import configure_logging
+from ops.system import AlreadyRunning, single_instance
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "agent",
+        help="run the host agent for this machine's devices (outbound connections only)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--host-id", required=True, help="this host's id (as given to `host add`)")
+    p.add_argument(
+        "--token-file",
+        required=True,
+        help="file holding the host credential printed by `fleetlease host add`",
+    )
+    p.add_argument("--nats-url", help="NATS URL (env FLEETLEASE_NATS_URL, else the context file)")
+    p.add_argument(
+        "--devices",
+        default="simulated:4",
+        help="'simulated:N' (N simulated devices) or 'adb' / 'adb:/path/to/adb' "
+        "(default simulated:4)",
+    )
+    p.add_argument(
+        "--state-dir",
+        help="state directory (env FLEETLEASE_STATE_DIR, default ~/.local/share/fleetlease)",
+    )
+    p.add_argument("--prefix", help="NATS subject prefix (env FLEETLEASE_PREFIX)")
+    p.add_argument("--goal-runner", default="sim-goal", help="runner for goal tasks")
+    p.add_argument("--workflow-runner", default="sim-workflow", help="runner for workflow tasks")
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, time running attempts get to finish before being handed back",
+    )
+    p.add_argument(
+        "--claim-wait-s", type=float, default=20.0, help="long-poll duration of one claim"
+    )
+    p.add_argument(
+        "--resync-jitter-s",
+        type=float,
+        default=2.0,
+        help="random delay before re-registering after a reconnect",
+    )
+    p.add_argument("--debug", action="store_true", help="debug logs and tracebacks")
+    p.set_defaults(func=cmd_agent)
+
+
+def agent_dir(state_dir: Path, host_id: str) -> Path:
+    """Where the agent of ``host_id`` keeps its journal and lock."""
+    return state_dir / "agents" / host_id
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from hostagent.agent import (
+        FAILPOINTS_ENV,
+        Agent,
+        AgentConfig,
+        RegistrationRefused,
+        load_credential,
+        parse_failpoints,
+    )
+    from hostagent.devices import device_manager_from_spec
+    from transport.subjects import validate_token
+
+    settings = from_args(args).with_context()
+    configure_logging(debug=settings.debug)
+    try:
+        validate_token(args.host_id, "--host-id")
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    try:
+        credential = load_credential(args.token_file)
+    except OSError as exc:
+        raise CliError(
+            f"cannot read --token-file {args.token_file}: {exc.strerror or exc}", EXIT_USAGE
+        ) from None
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    if not settings.nats_url:
+        raise CliError(
+            "no NATS URL: pass --nats-url, set FLEETLEASE_NATS_URL, or run `fleetlease up` "
+            f"with --state-dir {settings.state_dir}",
+            EXIT_USAGE,
+        )
+    try:
+        devices = device_manager_from_spec(args.devices)
+        failpoints = parse_failpoints(os.environ.get(FAILPOINTS_ENV))
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    directory = agent_dir(settings.state_dir, args.host_id)
+    try:
+        ensure_state_dir(directory)
+        config = AgentConfig(
+            host_id=args.host_id,
+            credential=credential,
+            nats_url=settings.nats_url,
+            state_dir=directory,
+            prefix=settings.prefix,
+            goal_runner=args.goal_runner,
+            workflow_runner=args.workflow_runner,
+            grace_s=args.grace_s,
+            claim_wait_s=args.claim_wait_s,
+            resync_jitter_s=args.resync_jitter_s,
+            failpoints=failpoints,
+        )
+        agent = Agent(config, devices)
+    except ConfigError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    try:
+        with single_instance(directory, "agent"):
+            asyncio.run(_run(agent))
+    except AlreadyRunning as exc:
+        raise CliError(exc.message, EXIT_UNAVAILABLE) from None
+    except RegistrationRefused as exc:
+        raise CliError(exc.message, EXIT_DENIED) from None
+    return EXIT_OK
+
+
+async def _run(agent: Any) -> None:
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, agent.stop)
+    try:
+        await agent.run()
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
