@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 import nats
 import structlog
 from nats.aio.client import Client as NatsClient
-from nats.errors import ConnectionClosedError, NoRespondersError
+from nats.errors import ConnectionClosedError, MaxPayloadError, NoRespondersError
+from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 
 from persistence.model import Outcome
@@ -77,8 +78,13 @@ class HostClient:
 
     # --- connections -----------------------------------------------------------------
     async def connect(self) -> None:
-        for channel in (Channel.CONTROL, Channel.JOBS, Channel.LOGS, Channel.ARTIFACTS):
-            self._conns[channel] = await self._connect(channel)
+        try:
+            for channel in (Channel.CONTROL, Channel.JOBS, Channel.LOGS, Channel.ARTIFACTS):
+                self._conns[channel] = await self._connect(channel)
+        except BaseException:
+            # Do not leak the connections already opened (each has reconnect tasks).
+            await self.close()
+            raise
 
     async def _connect(self, channel: Channel) -> NatsClient:
         async def reconnected() -> None:
@@ -145,7 +151,19 @@ class HostClient:
             raise TransportError("no control plane is serving") from None
         except ConnectionClosedError:
             raise TransportError("connection closed") from None
-        return wire.decode_reply(reply.data, expected)
+        except MaxPayloadError:
+            raise wire.RemoteError(
+                "bad_request", "message exceeds the server's max payload"
+            ) from None
+        except NatsError as exc:
+            # Reconnecting, draining, stale connection, outbound buffer full: no
+            # reply will come on this attempt, but a retry may succeed.
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+        try:
+            return wire.decode_reply(reply.data, expected)
+        except wire.DecodeError as exc:
+            # A reply we cannot read is the peer's fault, not a crash of ours.
+            raise wire.RemoteError("internal", f"undecodable reply: {exc.message}") from exc
 
     async def _signed(
         self,
