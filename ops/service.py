@@ -36,12 +36,17 @@ class ControlPlaneService:
     scheduler_interval_s: float = 1.0
     migrate: bool = True
     pool_size: int = 20
+    #: Broker security (issue 11): serve the NATS auth callout and connect as the
+    #: control plane's nkey user. The nats-server must run the config of
+    #: ``transport.broker_config.secure_config`` for the keys in ``state_dir/broker``.
+    broker_security: bool = False
 
     engine: AsyncEngine | None = None
     repo: Repository | None = None
     control_plane: Any = None
     server: Any = None
     ops: Any = None
+    broker_auth: Any = None
 
     async def start(self) -> ControlPlaneService:
         from actors.runtime import ControlPlane
@@ -64,6 +69,7 @@ class ControlPlaneService:
             )
             await self.control_plane.start()
             secret = ServerSecret.load_or_create(self.state_dir / "server.secret")
+            connect_options = await self._start_broker_auth()
             self.ops = self._ops_api()
             self.server = Server(
                 nats_url=self.nats_url,
@@ -74,6 +80,7 @@ class ControlPlaneService:
                 ops=self.ops,
                 timings=self.timings,
                 heartbeat_s=self.heartbeat_s,
+                connect_options=connect_options,
             )
             await self.server.start()
         except BaseException:
@@ -89,11 +96,33 @@ class ControlPlaneService:
             return None
         return OpsApi(repo=self.repo, control_plane=self.control_plane, service=self)
 
+    async def _start_broker_auth(self) -> dict[str, Any]:
+        if not self.broker_security:
+            return {}
+        from transport.broker_auth import BrokerAuthService, SqlCredentialStore
+        from transport.broker_config import BrokerKeys
+
+        keys = BrokerKeys.load_or_create(self.state_dir / "broker")
+        assert self.engine is not None
+        self.broker_auth = await BrokerAuthService(
+            nats_url=self.nats_url,
+            store=SqlCredentialStore(self.engine),
+            issuer_seed=keys.issuer_seed,
+            service_seed=keys.callout_seed,
+            system_seed=keys.system_seed,
+            subjects=Subjects(self.prefix),
+        ).start()
+        return keys.control_plane_connect_options()
+
     async def stop(self) -> None:
         if self.server is not None:
             with contextlib.suppress(Exception):
                 await self.server.stop()
             self.server = None
+        if self.broker_auth is not None:
+            with contextlib.suppress(Exception):
+                await self.broker_auth.stop()
+            self.broker_auth = None
         if self.control_plane is not None:
             with contextlib.suppress(Exception):
                 await self.control_plane.stop()
