@@ -5,9 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
+import random
+import secrets
 import signal
+import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -96,36 +102,396 @@ def wait(stop: threading.Event) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    """The whole system on one machine: PostgreSQL and NATS (embedded unless given),
+    the control plane in this process, one local agent with simulated devices as a
+    child process, an admin user and a default project; ``--demo`` adds a stream of
+    demo tasks in a live table. Ctrl-C stops everything in reverse order."""
     settings = from_args(args)
-    configure_logging(debug=settings.debug)
+    if args.devices < 0:
+        raise CliError("--devices must be 0 or more", EXIT_USAGE)
     try:
         ensure_state_dir(settings.state_dir)
-        with (
-            stop_signals() as stop,
-            single_instance(settings.state_dir),
-            Services(settings) as services,
-        ):
-            _migrate(services.database_url)
-            ctx: dict[str, Any] = {
-                "database_url": services.database_url,
-                "nats_url": services.nats_url,
-                "nats_port": services.nats.port if services.nats else None,
-                "prefix": settings.prefix,
-            }
-            path = write_context(settings.state_dir, ctx)
-            print(f"fleetlease up: state in {settings.state_dir}")
-            print(
-                f"  PostgreSQL  {redact(services.database_url)}"
-                + (" (embedded)" if services.pg else "")
-            )
-            print(f"  NATS        {services.nats_url}" + (" (embedded)" if services.nats else ""))
-            print(f"  context     {path}")
-            print("Ctrl-C stops everything.", flush=True)
-            wait(stop)
-            print("fleetlease up: stopping", flush=True)
+        log_dir = settings.state_dir / "logs"
+        log_dir.mkdir(exist_ok=True, mode=0o700)
+        # The control plane logs every transition: to a file, unless --debug.
+        log_file = None if settings.debug else open(log_dir / "up.log", "a")  # noqa: SIM115
+        configure_logging(debug=settings.debug, json=log_file is not None or None)
+        if log_file is not None:
+            structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=log_file))
+        try:
+            with (
+                stop_signals() as stop,
+                single_instance(settings.state_dir),
+                Services(settings) as services,
+            ):
+                _migrate(services.database_url)
+                system = LocalSystem(
+                    settings=settings,
+                    services=services,
+                    devices=args.devices,
+                    demo=args.demo,
+                    stop=stop,
+                    log_dir=log_dir,
+                )
+                try:
+                    asyncio.run(system.run())
+                finally:
+                    stop.set()
+                print("fleetlease up: stopped", flush=True)
+        finally:
+            if log_file is not None:
+                log_file.close()
     except (AlreadyRunning, Unreachable) as exc:
         raise CliError(exc.message, EXIT_UNAVAILABLE) from exc
     return EXIT_OK
+
+
+ADMIN_USER = "admin"
+DEFAULT_PROJECT = "default"
+LOCAL_HOST = "local"
+AGENT_STOP_GRACE_S = 30.0
+HOST_LIVE_TIMEOUT_S = 30.0
+HANG_GOAL = "wait for a dialog that never comes"
+
+
+def _write_secret(path: Path, value: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    os.replace(tmp, path)
+
+
+def _read_secret(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+@dataclass(kw_only=True)
+class LocalSystem:
+    """What ``fleetlease up`` runs on its asyncio loop: the control plane, the
+    bootstrap of the admin, the default project and the local host, the agent
+    child process (restarted if it dies) and, with ``--demo``, the demo."""
+
+    settings: Any
+    services: Services
+    devices: int
+    demo: bool
+    stop: threading.Event
+    log_dir: Path
+    service: Any = None
+    agent: asyncio.subprocess.Process | None = None
+    admin_token: str = ""
+    admin_name: str = ADMIN_USER
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.settings.state_dir)
+
+    @property
+    def admin_token_path(self) -> Path:
+        return self.state_dir / "admin.token"
+
+    @property
+    def credential_path(self) -> Path:
+        return self.state_dir / "hosts" / f"{LOCAL_HOST}.credential"
+
+    async def run(self) -> None:
+        from ops.service import ControlPlaneService
+
+        self.service = ControlPlaneService(
+            database_url=self.services.database_url,
+            nats_url=self.services.nats_url,
+            state_dir=self.state_dir,
+            prefix=self.settings.prefix,
+            migrate=False,
+        )
+        stopped = asyncio.ensure_future(asyncio.to_thread(self.stop.wait))
+        try:
+            await self.service.start()
+            await self.bootstrap()
+            if self.devices > 0:
+                await self.start_agent()
+            context = self.write_context()
+            await self.announce(context)
+            await self.supervise(stopped)
+        finally:
+            print("fleetlease up: stopping", flush=True)
+            self.stop.set()
+            await self.stop_agent()
+            await self.service.stop()
+            await stopped
+
+    # --- first start / later starts -------------------------------------------------------
+    async def bootstrap(self) -> None:
+        """Create (first start) or find again (later starts) the platform admin, the
+        default project and the local host with its credential file."""
+        from persistence.errors import Conflict, Unauthorized
+
+        repo = self.service.repo
+        token = _read_secret(self.admin_token_path)
+        user = None
+        if token is not None:
+            try:
+                user = await repo.authenticate_user(token)
+            except Unauthorized:
+                user = None
+        if user is None or not user.platform_admin:
+            name = ADMIN_USER
+            try:
+                token = await repo.add_user(name, platform_admin=True)
+            except Conflict:
+                # "admin" exists but its token is lost (the file was removed):
+                # make another platform admin rather than guess.
+                name = f"{ADMIN_USER}-{secrets.token_hex(3)}"
+                token = await repo.add_user(name, platform_admin=True)
+            _write_secret(self.admin_token_path, token)
+            log.info("up_admin_created", user=name)
+            self.admin_name = name
+        else:
+            self.admin_name = user.name
+        assert token is not None
+        self.admin_token = token
+        with contextlib.suppress(Conflict):
+            await repo.add_project(DEFAULT_PROJECT, owner=self.admin_name)
+        if self.devices > 0:
+            await self._local_host()
+
+    async def _local_host(self) -> None:
+        from persistence.errors import Conflict, NotFound, Unauthorized
+
+        repo = self.service.repo
+        credential = _read_secret(self.credential_path)
+        if credential is not None:
+            try:
+                # A registration proves the file matches the database; the agent's
+                # own registration supersedes this session a moment later.
+                await repo.register_session(LOCAL_HOST, credential)
+                return
+            except Unauthorized:
+                pass
+        try:
+            credential = await repo.add_host(LOCAL_HOST)
+        except Conflict:
+            with contextlib.suppress(NotFound):
+                await repo.revoke_host(LOCAL_HOST)
+            credential = await repo.add_host(LOCAL_HOST)
+        _write_secret(self.credential_path, credential)
+        log.info("up_host_created", host_id=LOCAL_HOST)
+
+    def write_context(self) -> Path:
+        services = self.services
+        return write_context(
+            self.state_dir,
+            {
+                "database_url": services.database_url,
+                "nats_url": services.nats_url,
+                "nats_port": services.nats.port if services.nats else None,
+                "prefix": self.settings.prefix,
+                "admin_user": self.admin_name,
+                "admin_token_path": str(self.admin_token_path),
+                "pid": os.getpid(),
+            },
+        )
+
+    # --- the local agent --------------------------------------------------------------------
+    def agent_command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "ops.cli",
+            "agent",
+            "--host-id",
+            LOCAL_HOST,
+            "--token-file",
+            str(self.credential_path),
+            "--nats-url",
+            self.services.nats_url,
+            "--devices",
+            f"simulated:{self.devices}",
+            "--state-dir",
+            str(self.state_dir / "agent"),
+        ]
+
+    async def start_agent(self) -> None:
+        env = dict(os.environ)
+        env["FLEETLEASE_PREFIX"] = self.settings.prefix
+        env.pop("FLEETLEASE_TOKEN", None)
+        out = await asyncio.to_thread(open, self.log_dir / "agent.log", "ab")
+        try:
+            # Its own session: the terminal's Ctrl-C reaches only us, and we stop
+            # the agent first, while the control plane can still take its reports.
+            self.agent = await asyncio.create_subprocess_exec(
+                *self.agent_command(),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                env=env,
+                start_new_session=True,
+            )
+        finally:
+            out.close()
+        log.info("up_agent_started", pid=self.agent.pid)
+
+    async def stop_agent(self) -> None:
+        proc = self.agent
+        self.agent = None
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), AGENT_STOP_GRACE_S)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    async def wait_host_live(self) -> dict[str, Any] | None:
+        from ops.api import project_host
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HOST_LIVE_TIMEOUT_S
+        while loop.time() < deadline and not self.stop.is_set():
+            for raw in await self.service.repo.list_hosts():
+                h = project_host(raw)
+                if h["host_id"] == LOCAL_HOST and h["live"] and h["devices"] >= self.devices:
+                    return h
+            if self.agent is not None and self.agent.returncode is not None:
+                return None
+            await asyncio.sleep(0.2)
+        return None
+
+    async def announce(self, context: Path) -> None:
+        services = self.services
+        print(f"fleetlease up: state in {self.state_dir}")
+        print(
+            f"  PostgreSQL     {redact(services.database_url)}"
+            + (" (embedded)" if services.pg else "")
+        )
+        print(f"  NATS           {services.nats_url}" + (" (embedded)" if services.nats else ""))
+        print(f"  control plane  in this process, subjects {self.settings.prefix}.>")
+        if self.agent is not None:
+            host = await self.wait_host_live()
+            status = f"live, {host['devices']} devices" if host else "not live yet (see its log)"
+            print(f"  agent          host {LOCAL_HOST}, pid {self.agent.pid}, {status}")
+        print(f"  admin          user {self.admin_name}, token in {self.admin_token_path}")
+        print(f"  context        {context}")
+        print(f"  logs           {self.log_dir}")
+        if not self.demo:
+            print('In another terminal: fleetlease submit --goal "open settings"; fleetlease tasks')
+        print("Ctrl-C stops everything.", flush=True)
+
+    async def supervise(self, stopped: asyncio.Future[Any]) -> None:
+        """Run until Ctrl-C: restart the agent if it dies, run the demo if asked."""
+        demo = asyncio.ensure_future(self.run_demo()) if self.demo else None
+        delay = 1.0
+        try:
+            while not stopped.done():
+                waits: list[asyncio.Future[Any]] = [stopped]
+                if self.agent is not None:
+                    exited = asyncio.ensure_future(self.agent.wait())
+                    waits.append(exited)
+                if demo is not None:
+                    waits.append(demo)
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if demo is not None and demo.done():
+                    demo.result()  # a crashed demo stops `up` with its error
+                if stopped.done() or self.agent is None or self.agent.returncode is None:
+                    continue
+                code = self.agent.returncode
+                print(
+                    f"fleetlease up: the agent exited ({code}); restarting it in {delay:g}s "
+                    f"(log: {self.log_dir / 'agent.log'})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(stopped), delay)
+                if not stopped.done():
+                    delay = min(delay * 2, 30.0)
+                    await self.start_agent()
+        finally:
+            if demo is not None:
+                demo.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await demo
+
+    # --- the demo -----------------------------------------------------------------------
+    async def run_demo(self) -> None:
+        """Keep submitting a mix of demo tasks through the user API and show them
+        in a live table (or as lines when stdout is not a terminal)."""
+        from ops import render
+        from persistence.errors import RepositoryError
+
+        api = self.service.ops
+        token = self.admin_token
+        rng = random.Random()
+        hanging: list[tuple[float, str]] = []
+        loop = asyncio.get_running_loop()
+        live = None
+        if render.is_tty(sys.stdout):
+            from rich.live import Live
+
+            live = Live(console=render.console(), auto_refresh=False)
+            live.start()
+        else:
+            self.service.control_plane.add_listener(
+                lambda e: print(render.event_line(e), flush=True)
+            )
+        try:
+            while True:
+                try:
+                    args = demo_task(rng)
+                    data = await api.handle("submit", token, args)
+                    if args.get("goal") == HANG_GOAL:
+                        hanging.append((loop.time() + 4.0, data["id"]))
+                    now = loop.time()
+                    for due, task_id in [h for h in hanging if h[0] <= now]:
+                        hanging.remove((due, task_id))
+                        await api.handle("cancel", token, {"id": task_id})
+                    if live is not None:
+                        tasks = await api.handle("tasks", token, {"limit": 25})
+                        live.update(
+                            render.tasks_table(tasks, title="fleetlease up --demo (Ctrl-C stops)"),
+                            refresh=True,
+                        )
+                except RepositoryError as exc:
+                    # A busy or restarting control plane: the demo just carries on.
+                    log.warning("up_demo_request_failed", code=exc.code, error=exc.message)
+                await asyncio.sleep(rng.uniform(0.3, 1.0))
+        finally:
+            if live is not None:
+                live.stop()
+
+
+def demo_task(rng: random.Random) -> dict[str, Any]:
+    """One demo task: mostly quick successes, some workflows, failures, retries
+    and hangs (cancelled a few seconds later)."""
+    roll = rng.random()
+    quick = {"duration_s": round(rng.uniform(0.5, 3.0), 1), "log_lines": 3}
+    if roll < 0.5:
+        return {"goal": "open settings", "payload": {"sim": quick}}
+    if roll < 0.65:
+        steps = [dict(quick, duration_s=round(rng.uniform(0.3, 1.0), 1)) for _ in range(3)]
+        return {"workflow": "checkout", "payload": {"steps": steps}}
+    if roll < 0.75:
+        return {
+            "goal": "tap a button that is not there",
+            "payload": {"sim": dict(quick, outcome="failed")},
+            "max_attempts": 1,
+        }
+    if roll < 0.9:
+        return {
+            "goal": "flaky network check",
+            "payload": {"sim": dict(quick, outcome="retryable")},
+            "max_attempts": 3,
+            "backoff_base_s": 1.0,
+        }
+    return {"goal": HANG_GOAL, "payload": {"sim": {"outcome": "hang"}}}
 
 
 def timings_from_args(args: argparse.Namespace) -> Any:
