@@ -50,7 +50,6 @@ class ControlPlaneService:
 
     async def start(self) -> ControlPlaneService:
         from actors.runtime import ControlPlane
-
         from transport.server import Server
 
         try:

@@ -243,6 +243,7 @@ class Server:
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fleetlease-artifact-io")
         self._events_nc: NatsClient | None = None
         self._stopping = False
+        self._stopped = False
         self._started = False
         prefix_id = self.subjects.prefix.replace(".", "-")
         self.artifact_bucket = f"{ARTIFACT_BUCKET}-{prefix_id}"
@@ -310,16 +311,15 @@ class Server:
         opts.update(self._connect_options)
         return await nats.connect(self.nats_url, **opts)
 
-    async def stop(self, grace_s: float = 10.0) -> None:
-        """Stop taking new requests, finish the ones already received (up to
-        ``grace_s``), close the connections. Idempotent."""
+    async def drain(self, grace_s: float = 10.0) -> None:
+        """Stop taking new requests: NATS stops routing to this process (the
+        queue group's other members get them) and what already reached it is
+        still dispatched (drain, not unsubscribe: nothing is dropped). Claims
+        from now on do not wait. Idempotent; ``stop`` calls it."""
         if self._stopping:
             return
         self._stopping = True
         self._events_nc = None
-        # 1. No new requests: the server stops routing to us (the queue group's
-        #    other members get them), and what already reached this process is
-        #    still dispatched (drain, not unsubscribe: nothing is dropped).
         for state in self._channels.values():
             state.gate.set()  # a stalled channel must not hold the shutdown
         drains = [
@@ -330,16 +330,23 @@ class Server:
                 await asyncio.wait_for(
                     asyncio.gather(*drains, return_exceptions=True), timeout=max(grace_s, 1.0)
                 )
-        # 2. In-flight requests finish and reply (long-polls included).
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """``drain``, then let the requests in flight finish and reply (up to
+        ``grace_s``; the control plane's own stop releases parked long-polls),
+        then close the connections. Idempotent."""
+        if self._stopped:
+            return
+        await self.drain(grace_s)
+        self._stopped = True
         pending = [t for s in self._channels.values() for t in s.tasks]
         if pending:
-            _done, late = await asyncio.wait(pending, timeout=grace_s if grace_s > 0 else None)
+            _done, late = await asyncio.wait(pending, timeout=max(grace_s, 0.0))
             for t in late:
                 t.cancel()
             if late:
                 log.warning("server_stop_abandoned", requests=len(late))
                 await asyncio.wait(late, timeout=1.0)
-        # 3. Replies are flushed, connections closed.
         for state in self._channels.values():
             if state.nc is not None:
                 with contextlib.suppress(Exception):
