@@ -113,19 +113,32 @@ class ControlPlaneService:
         ).start()
         return keys.control_plane_connect_options()
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Stop in the order that loses nothing: the server takes no new requests
+        (the queue group's other members get them); the control plane releases
+        parked long-polls, lets the requests in flight commit and stops its
+        actors; the server sends the last replies and closes its connections."""
         if self.server is not None:
-            with contextlib.suppress(Exception):
-                await self.server.stop()
+            try:
+                await self.server.drain(grace_s)
+            except Exception:
+                log.exception("server_drain_failed")
+        if self.control_plane is not None:
+            try:
+                await self.control_plane.stop(grace_s)
+            except Exception:
+                log.exception("control_plane_stop_failed")
+            self.control_plane = None
+        if self.server is not None:
+            try:
+                await self.server.stop(grace_s)
+            except Exception:
+                log.exception("server_stop_failed")
             self.server = None
         if self.broker_auth is not None:
             with contextlib.suppress(Exception):
                 await self.broker_auth.stop()
             self.broker_auth = None
-        if self.control_plane is not None:
-            with contextlib.suppress(Exception):
-                await self.control_plane.stop()
-            self.control_plane = None
         if self.engine is not None:
             await self.engine.dispose()
             self.engine = None
