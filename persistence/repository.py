@@ -1,40 +1,124 @@
 """The durable scheduling repository: every task transition as one fenced
 PostgreSQL transaction (compare-and-set), the time taken from an injected clock.
 
-CONTRACT (signatures fixed; bodies being implemented). Every method is one
-transaction that commits the whole transition or changes nothing; errors are the
-typed ones of ``persistence.errors``. Host-facing methods take the caller's
-``Session`` (host id + generation), already authenticated by the transport; they
-re-check in the same transaction that the generation is the host's current one
-and the host is not revoked (else ``Unauthorized``).
+CONTRACT (signatures fixed). Every method is one transaction that commits the
+whole transition or changes nothing; errors are the typed ones of
+``persistence.errors``. Host-facing methods take the caller's ``Session`` (host
+id + generation), already authenticated by the transport; they re-check in the
+same transaction that the generation is the host's current one and the host is
+not revoked (else ``Unauthorized``).
+
+Decisions worth knowing when coding against this module:
+
+* Deadlines: an attempt in ``assigned`` expires at ``claim_deadline``; in
+  ``dispatched`` at ``ack_deadline`` (``lease_expires_at`` is set equal to it at
+  claim, and a renewal in ``dispatched`` is accepted, reports the cancel flag, but
+  never extends past the ack deadline); in ``running`` at ``lease_expires_at``
+  (``now + lease_s`` from ack, renew, progress and a confirming reconciliation).
+  A message exactly at the deadline loses (``deadline > now`` is required).
+* Fencing order for host messages: session current and host not revoked
+  (``Unauthorized``), task exists (``NotFound``), the referenced attempt exists
+  (else ``Conflict`` reason ``unknown_attempt``), it belongs to the caller's host
+  (``Forbidden``), it is the current attempt (``Conflict`` ``stale_attempt``), the
+  lease token matches (``Conflict`` ``wrong_lease``), the attempt is bound to the
+  caller's session generation (``Conflict`` ``session_not_bound``: after a new
+  registration, ``reconcile`` rebinds it), the task is not terminal (``Gone``),
+  the state accepts the message (``Conflict`` ``wrong_state``), the deadline has not
+  passed (``Gone`` for claim and ack; ``Conflict`` ``lease_expired`` for renew,
+  progress and result). Every error carries ``reason`` in ``fields``.
+* A zero backoff base sends an expired or retryably failed task straight back to
+  ``queued``; otherwise ``retrying`` until ``eligible_at``. A pending cancel turns
+  any expiry, loss or retryable failure into ``cancelled``.
+* ``current_generation`` returns None also for a host that never registered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import json
+import math
+import random
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
 
-from sqlalchemy.ext.asyncio import AsyncEngine
+import sqlalchemy as sa
+import structlog
+from sqlalchemy.dialects.postgresql import ARRAY, UUID
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.engine import RowMapping
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from persistence.clock import Clock, SystemClock
+from persistence.errors import (
+    Conflict,
+    Forbidden,
+    Gone,
+    Invalid,
+    NotFound,
+    RepositoryError,
+    Unauthorized,
+    Unavailable,
+)
 from persistence.model import (
+    ACTIVE_STATES,
+    TERMINAL_STATES,
+    WAITING_STATES,
     Assignment,
     CancelRecord,
     Claimed,
     DeviceSnapshot,
+    EndReason,
     Expired,
     JournalEntry,
     LeaseStatus,
     LeaseTimings,
     Outcome,
     ReconcileReport,
+    ReconcileVerdict,
     ResultRecord,
+    RetryPolicy,
     Session,
+    TaskKind,
     TaskSpec,
+    TaskState,
     User,
 )
+from persistence.secrets import hash_secret, matches, new_token, secrets_equal
+from persistence.tables import (
+    artifacts,
+    attempts,
+    device_reservations,
+    devices,
+    hosts,
+    log_lines,
+    project_admins,
+    projects,
+    tasks,
+    users,
+)
+
+log = structlog.get_logger("persistence.repository")
+
+T = TypeVar("T")
+
+UUIDT = UUID(as_uuid=False)
+MAX_PAYLOAD_BYTES = 256 * 1024
+MAX_INT32 = 2**31 - 1
+MAX_BACKOFF_S = 7 * 24 * 3600.0
+HOST_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+#: SQLSTATEs after which the whole transaction is simply run again.
+RETRY_SQLSTATES = frozenset({"40001", "40P01"})
+TX_ATTEMPTS = 5
+
+_ACTIVE = [s.value for s in ACTIVE_STATES]
+_WAITING = [s.value for s in WAITING_STATES]
+_LEASED = [TaskState.DISPATCHED.value, TaskState.RUNNING.value]
+_DUMMY_HASH = hash_secret("no such host")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,25 +131,397 @@ class Renewal:
     lease_token: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Ending:
+    """How one active attempt ends (expiry, loss, revocation)."""
+
+    task_id: str
+    attempt: int
+    host_id: str
+    device_id: str
+    old_state: str
+    reason: EndReason
+    new_state: TaskState
+    eligible_at: datetime | None
+    terminal_reason: str | None
+
+    def expired(self) -> Expired:
+        return Expired(
+            task_id=self.task_id,
+            attempt=self.attempt,
+            host_id=self.host_id,
+            device_id=self.device_id,
+            reason=self.reason,
+            new_state=self.new_state,
+            retry_at=self.eligible_at if self.new_state is TaskState.RETRYING else None,
+        )
+
+
+# --- small SQL helpers ------------------------------------------------------------
+
+
+def _arr(values: Sequence[Any], typ: Any) -> sa.ColumnElement[Any]:
+    """A typed array parameter (constant SQL text whatever the length)."""
+    return sa.cast(sa.literal(list(values), ARRAY(typ)), ARRAY(typ))
+
+
+def _unnest(name: str, **cols: tuple[Any, Sequence[Any]]) -> Any:
+    """``unnest(array, array, ...) AS name(col, col, ...)`` for batch statements."""
+    args = [_arr(values, typ) for typ, values in cols.values()]
+    return (
+        sa.func.unnest(*args)
+        .table_valued(*[sa.column(n, typ) for n, (typ, _) in cols.items()])
+        .render_derived(name=name)
+    )
+
+
+def _live_host(now: datetime, liveness_s: float) -> sa.ColumnElement[bool]:
+    return sa.and_(
+        hosts.c.revoked_at.is_(None),
+        hosts.c.session_generation > 0,
+        hosts.c.last_seen > now - timedelta(seconds=liveness_s),
+    )
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    orig = getattr(exc, "orig", None)
+    for obj in (orig, getattr(orig, "__cause__", None)):
+        code = getattr(obj, "sqlstate", None) or getattr(obj, "pgcode", None)
+        if isinstance(code, str):
+            return code
+    return None
+
+
+# --- validation (before touching the database) -------------------------------------
+
+
+def _check_int(value: object, field: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise Invalid(f"{field} must be an integer in {lo}..{hi}", field=field)
+    return value
+
+
+def _check_number(value: object, field: str, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise Invalid(f"{field} must be a number", field=field)
+    f = float(value)
+    if not math.isfinite(f) or not lo <= f <= hi:
+        raise Invalid(f"{field} must be in {lo}..{hi}", field=field)
+    return f
+
+
+def _check_str(value: object, field: str, *, max_len: int = 256, empty: bool = False) -> str:
+    if not isinstance(value, str) or (not value and not empty) or len(value) > max_len:
+        raise Invalid(f"{field} must be a string of at most {max_len} characters", field=field)
+    if "\x00" in value:
+        raise Invalid(f"{field} must not contain NUL", field=field)
+    return value
+
+
+def _check_json_value(value: object, field: str, depth: int = 0) -> None:
+    if depth > 64:
+        raise Invalid(f"{field} is nested too deeply", field=field)
+    if value is None or isinstance(value, bool | int):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise Invalid(f"{field} must not contain NaN or infinity", field=field)
+        return
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise Invalid(f"{field} must not contain NUL", field=field)
+        return
+    if isinstance(value, list | tuple):
+        for item in value:
+            _check_json_value(item, field, depth + 1)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str) or "\x00" in key:
+                raise Invalid(f"{field} keys must be strings", field=field)
+            _check_json_value(item, field, depth + 1)
+        return
+    raise Invalid(f"{field} must be JSON-serialisable", field=field)
+
+
+def _check_json_dict(value: object, field: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise Invalid(f"{field} must be an object", field=field)
+    _check_json_value(value, field)
+    if len(json.dumps(value, allow_nan=False).encode("utf-8")) > MAX_PAYLOAD_BYTES:
+        raise Invalid(f"{field} is larger than {MAX_PAYLOAD_BYTES} bytes", field=field)
+    return value
+
+
+def _check_selector(value: object, field: str = "selector") -> dict[str, str]:
+    if not isinstance(value, dict) or len(value) > 64:
+        raise Invalid(f"{field} must be a mapping of at most 64 string pairs", field=field)
+    for k, v in value.items():
+        if not isinstance(k, str) or not k or not isinstance(v, str):
+            raise Invalid(f"{field} must map strings to strings", field=field)
+        if "\x00" in k or "\x00" in v or len(k) > 256 or len(v) > 1024:
+            raise Invalid(f"{field} has an invalid entry", field=field)
+    return dict(value)
+
+
+def _check_task_id(value: object) -> str:
+    """A task id: wrong type is ``Invalid``; a string that is no UUID names no task."""
+    if not isinstance(value, str):
+        raise Invalid("task_id must be a string", field="task_id")
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise NotFound("no such task", task_id=value) from None
+
+
+def _check_host_id(value: object, field: str = "host_id") -> str:
+    if not isinstance(value, str) or not HOST_ID_RE.match(value):
+        raise Invalid(f"{field} must match {HOST_ID_RE.pattern}", field=field)
+    return value
+
+
+def _check_session(session: object) -> Session:
+    if not isinstance(session, Session):
+        raise Invalid("session must be a Session", field="session")
+    _check_host_id(session.host_id, "session.host_id")
+    _check_int(session.generation, "session.generation", 0, MAX_INT32)
+    return session
+
+
+def _check_user(user: object) -> User:
+    if not isinstance(user, User):
+        raise Invalid("user must be a User", field="user")
+    return user
+
+
+def _check_spec(spec: object) -> dict[str, Any]:
+    """Validate a TaskSpec into the column values of a new task (no id/times)."""
+    if not isinstance(spec, TaskSpec):
+        raise Invalid("spec must be a TaskSpec", field="spec")
+    try:
+        kind = TaskKind(spec.kind)
+    except ValueError:
+        raise Invalid("kind must be 'goal' or 'workflow'", field="kind") from None
+    retry = spec.retry
+    if not isinstance(retry, RetryPolicy):
+        raise Invalid("retry must be a RetryPolicy", field="retry")
+    base = _check_number(retry.backoff_base_s, "backoff_base_s", 0.0, MAX_BACKOFF_S)
+    cap = _check_number(retry.backoff_cap_s, "backoff_cap_s", 0.0, MAX_BACKOFF_S)
+    if cap < base:
+        raise Invalid("backoff_cap_s must be >= backoff_base_s", field="backoff_cap_s")
+    return {
+        "kind": kind.value,
+        "payload": _check_json_dict(spec.payload, "payload"),
+        "selector": _check_selector(spec.selector),
+        "priority": _check_int(spec.priority, "priority", -1000, 1000),
+        "project": _check_str(spec.project, "project", max_len=128),
+        "owner": _check_str(spec.owner, "owner", max_len=128),
+        "max_attempts": _check_int(retry.max_attempts, "max_attempts", 1, 100),
+        "backoff_base_s": base,
+        "backoff_cap_s": cap,
+        "goal": None if spec.goal is None else _check_str(spec.goal, "goal", max_len=65536),
+        "workflow": (
+            None if spec.workflow is None else _check_str(spec.workflow, "workflow", max_len=1024)
+        ),
+    }
+
+
+def _check_devices(snapshot: object) -> list[DeviceSnapshot]:
+    if isinstance(snapshot, str | bytes) or not isinstance(snapshot, Sequence):
+        raise Invalid("devices must be a sequence of DeviceSnapshot", field="devices")
+    seen: set[str] = set()
+    out: list[DeviceSnapshot] = []
+    for dev in snapshot:
+        if not isinstance(dev, DeviceSnapshot):
+            raise Invalid("devices must be a sequence of DeviceSnapshot", field="devices")
+        _check_str(dev.device_id, "devices.device_id", max_len=256)
+        if dev.device_id in seen:
+            raise Invalid("duplicate device_id", field="devices.device_id")
+        seen.add(dev.device_id)
+        if dev.state not in ("idle", "busy", "offline"):
+            raise Invalid("device state must be idle, busy or offline", field="devices.state")
+        _check_selector(dev.capabilities, "devices.capabilities")
+        out.append(dev)
+    if len(out) > 10_000:
+        raise Invalid("too many devices", field="devices")
+    return out
+
+
+# --- policy ------------------------------------------------------------------------
+
+
+def _retry_policy(row: RowMapping) -> RetryPolicy:
+    return RetryPolicy(
+        max_attempts=row["max_attempts"],
+        backoff_base_s=row["backoff_base_s"],
+        backoff_cap_s=row["backoff_cap_s"],
+    )
+
+
+def _after_failure(
+    row: RowMapping, now: datetime, terminal_reason: str
+) -> tuple[TaskState, datetime | None, str | None]:
+    """Where a task goes when its current attempt ends without success: cancelled
+    with a pending cancel, failed at the attempt limit, else queued (zero base) or
+    retrying until ``now + backoff``. Returns (state, eligible_at, terminal_reason)."""
+    if row["cancel_requested_at"] is not None:
+        return TaskState.CANCELLED, None, "cancelled"
+    if row["attempt"] >= row["max_attempts"]:
+        return TaskState.FAILED, None, terminal_reason
+    delay = _retry_policy(row).delay_after(row["attempt"])
+    if delay <= timedelta(0):
+        return TaskState.QUEUED, now, None
+    return TaskState.RETRYING, now + delay, None
+
+
+_EXPIRY_REASON = {
+    TaskState.ASSIGNED.value: EndReason.CLAIM_EXPIRED,
+    TaskState.DISPATCHED.value: EndReason.ACK_EXPIRED,
+    TaskState.RUNNING.value: EndReason.LEASE_EXPIRED,
+}
+
+_OUTCOME_OF_END = {
+    EndReason.DONE.value: Outcome.DONE,
+    EndReason.FAILED.value: Outcome.FAILED,
+    EndReason.RETRYABLE_FAILURE.value: Outcome.FAILED,
+    EndReason.CANCELLED.value: Outcome.CANCELLED,
+}
+
+
+# Columns read when fencing a host message: the task, the referenced attempt and
+# the caller's host row, in one locking statement.
+_FENCE_COLUMNS: list[sa.ColumnElement[Any]] = [
+    tasks.c.id.label("task_id"),
+    tasks.c.status,
+    tasks.c.attempt,
+    tasks.c.kind,
+    tasks.c.goal,
+    tasks.c.workflow,
+    tasks.c.payload,
+    tasks.c.project,
+    tasks.c.max_attempts,
+    tasks.c.backoff_base_s,
+    tasks.c.backoff_cap_s,
+    tasks.c.eligible_at,
+    tasks.c.cancel_requested_at,
+    tasks.c.result_fingerprint,
+    tasks.c.result_attempt,
+    tasks.c.progress_seq,
+    attempts.c.number.label("a_number"),
+    attempts.c.host_id.label("a_host_id"),
+    attempts.c.device_id.label("a_device_id"),
+    attempts.c.lease_id.label("a_lease_id"),
+    attempts.c.lease_token_hash.label("a_token_hash"),
+    attempts.c.session_generation.label("a_generation"),
+    attempts.c.claim_deadline.label("a_claim_deadline"),
+    attempts.c.ack_deadline.label("a_ack_deadline"),
+    attempts.c.lease_expires_at.label("a_lease_expires_at"),
+    attempts.c.ended_at.label("a_ended_at"),
+    attempts.c.end_reason.label("a_end_reason"),
+]
+
+
+def _session_ok(session: Session, generation: int | None, revoked_at: datetime | None) -> bool:
+    return (
+        generation is not None
+        and revoked_at is None
+        and session.generation > 0
+        and generation == session.generation
+    )
+
+
+def _unauthorized(session: Session) -> Unauthorized:
+    return Unauthorized("session is not current", host_id=session.host_id)
+
+
 class Repository:
     def __init__(
-        self, engine: AsyncEngine, clock: Clock | None = None,
+        self,
+        engine: AsyncEngine,
+        clock: Clock | None = None,
         timings: LeaseTimings | None = None,
     ) -> None:
         self.engine = engine
         self.clock = clock or SystemClock()
         self.timings = timings or LeaseTimings()
 
+    # --- the transaction boundary ------------------------------------------------
+    async def _tx(self, op: str, fn: Callable[[AsyncConnection, datetime], Awaitable[T]]) -> T:
+        """Run ``fn`` in one READ COMMITTED transaction with the clock's time. Typed
+        errors roll back and propagate; serialization failures and deadlocks run
+        the transaction again; driver and connection errors become ``Unavailable``."""
+        for attempt in range(1, TX_ATTEMPTS + 1):
+            try:
+                async with self.engine.begin() as conn:
+                    return await fn(conn, self.clock.now())
+            except RepositoryError:
+                raise
+            except sa.exc.DBAPIError as exc:
+                state = _sqlstate(exc)
+                if state in RETRY_SQLSTATES and attempt < TX_ATTEMPTS:
+                    log.info("repository.tx_retry", op=op, sqlstate=state, attempt=attempt)
+                    await asyncio.sleep(random.uniform(0, 0.005 * attempt))
+                    continue
+                if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError) or (
+                    exc.connection_invalidated or state in RETRY_SQLSTATES
+                ):
+                    raise Unavailable(f"database unavailable during {op}", op=op) from exc
+                if state is not None and state.startswith(("08", "53", "57")):
+                    raise Unavailable(f"database unavailable during {op}", op=op) from exc
+                raise
+            except (OSError, TimeoutError, sa.exc.TimeoutError) as exc:
+                raise Unavailable(f"database unavailable during {op}", op=op) from exc
+        raise Unavailable(f"database kept aborting {op}", op=op)  # pragma: no cover
+
     # --- tasks -----------------------------------------------------------------
     async def submit(self, spec: TaskSpec) -> str:
         """Insert a queued task, eligible now. Returns the task id (UUID string).
         ``Invalid(field=...)`` for a bad payload/selector/priority/attempts/backoff;
         ``NotFound`` for an unknown project or owner."""
-        raise NotImplementedError
+        return (await self.submit_many([spec]))[0]
 
     async def submit_many(self, specs: Sequence[TaskSpec]) -> list[str]:
         """Several submits in one transaction (all or nothing)."""
-        raise NotImplementedError
+        if isinstance(specs, str | bytes) or not isinstance(specs, Sequence):
+            raise Invalid("specs must be a sequence of TaskSpec", field="specs")
+        values = [_check_spec(s) for s in specs]
+        if not values:
+            return []
+        ids = [str(uuid.uuid4()) for _ in values]
+
+        async def run(conn: AsyncConnection, now: datetime) -> list[str]:
+            await self._require_names(conn, projects, {v["project"] for v in values}, "project")
+            await self._require_names(conn, users, {v["owner"] for v in values}, "owner")
+            rows = [
+                {
+                    **v,
+                    "id": tid,
+                    "status": TaskState.QUEUED.value,
+                    "eligible_at": now,
+                    "attempt": 0,
+                    "created_at": now,
+                    "updated_at": now,
+                }
+                for tid, v in zip(ids, values, strict=True)
+            ]
+            await conn.execute(tasks.insert(), rows)
+            return ids
+
+        return await self._tx("submit", run)
+
+    async def _require_names(
+        self, conn: AsyncConnection, table: sa.Table, names: set[str], field: str
+    ) -> None:
+        found = set(
+            (await conn.execute(sa.select(table.c.name).where(table.c.name.in_(names)))).scalars()
+        )
+        missing = names - found
+        if missing:
+            raise NotFound(f"no such {field}: {sorted(missing)[0]}", field=field)
 
     async def assign(self, *, limit: int = 64) -> list[Assignment]:
         """Bind up to ``limit`` eligible waiting tasks (queued, or retrying with
@@ -74,162 +530,1917 @@ class Repository:
         within a project; one transaction: attempt n+1, lease id, claim deadline,
         reservation row. Uses FOR UPDATE SKIP LOCKED so concurrent assigners never
         collide; the reservation primary key makes a double reservation impossible."""
-        raise NotImplementedError
+        _check_int(limit, "limit", 1, 10_000)
+        return await self._tx("assign", lambda conn, now: self._assign(conn, now, limit))
 
+    def _free_devices(self, now: datetime) -> sa.Select[Any]:
+        reserved = sa.exists().where(
+            device_reservations.c.host_id == devices.c.host_id,
+            device_reservations.c.device_id == devices.c.device_id,
+        )
+        return (
+            sa.select(devices.c.host_id, devices.c.device_id, devices.c.capabilities)
+            .join(hosts, hosts.c.host_id == devices.c.host_id)
+            .where(
+                devices.c.state == "idle",
+                _live_host(now, self.timings.liveness_s),
+                ~reserved,
+            )
+        )
+
+    async def _assign(self, conn: AsyncConnection, now: datetime, limit: int) -> list[Assignment]:
+        free = (
+            await conn.execute(
+                self._free_devices(now).order_by(devices.c.host_id, devices.c.device_id)
+            )
+        ).all()
+        if not free:
+            return []
+        free_sub = self._free_devices(now).subquery("free")
+        matchable = sa.exists().where(free_sub.c.capabilities.contains(tasks.c.selector))
+        waiting = sa.and_(tasks.c.status.in_(_WAITING), tasks.c.eligible_at <= now)
+        ranked = (
+            sa.select(
+                tasks.c.id,
+                sa.func.row_number()
+                .over(
+                    partition_by=tasks.c.project,
+                    order_by=(tasks.c.priority.desc(), tasks.c.seq),
+                )
+                .label("rn"),
+            )
+            .where(waiting, matchable)
+            .cte("ranked")
+        )
+        # The rank comes from a snapshot; the outer WHERE is rechecked on the locked
+        # row, so a task another assigner took meanwhile drops out.
+        candidates = (
+            await conn.execute(
+                sa.select(
+                    tasks.c.id,
+                    tasks.c.status,
+                    tasks.c.attempt,
+                    tasks.c.selector,
+                    tasks.c.project,
+                )
+                .join(ranked, ranked.c.id == tasks.c.id)
+                .where(waiting)
+                .order_by(ranked.c.rn, tasks.c.priority.desc(), tasks.c.seq)
+                .limit(min(limit, len(free)))
+                .with_for_update(of=tasks, skip_locked=True)
+            )
+        ).all()
+        pending = list(candidates)
+        won: list[Assignment] = []
+        for _round in range(4):
+            if not pending or not free:
+                break
+            pairs: list[tuple[Any, Any]] = []
+            used: set[tuple[str, str]] = set()
+            for task in pending:
+                for dev in free:
+                    key = (dev.host_id, dev.device_id)
+                    if key in used:
+                        continue
+                    caps = dev.capabilities or {}
+                    if all(caps.get(k) == v for k, v in (task.selector or {}).items()):
+                        used.add(key)
+                        pairs.append((task, dev))
+                        break
+            if not pairs:
+                break
+            pairs.sort(key=lambda p: (p[1].host_id, p[1].device_id))
+            r = _unnest(
+                "r",
+                host_id=(sa.Text, [d.host_id for _, d in pairs]),
+                device_id=(sa.Text, [d.device_id for _, d in pairs]),
+                task_id=(UUIDT, [t.id for t, _ in pairs]),
+                attempt=(sa.Integer, [t.attempt + 1 for t, _ in pairs]),
+            )
+            inserted = (
+                await conn.execute(
+                    pg_insert(device_reservations)
+                    .from_select(
+                        ["host_id", "device_id", "task_id", "attempt", "reserved_at"],
+                        sa.select(
+                            r.c.host_id,
+                            r.c.device_id,
+                            r.c.task_id,
+                            r.c.attempt,
+                            sa.literal(now, sa.DateTime(timezone=True)),
+                        ),
+                    )
+                    .on_conflict_do_nothing()
+                    .returning(device_reservations.c.task_id)
+                )
+            ).scalars()
+            got = {str(t) for t in inserted}
+            round_won = [(t, d) for t, d in pairs if t.id in got]
+            if round_won:
+                won.extend(await self._bind_attempts(conn, now, round_won))
+            pending = [t for t in pending if t.id not in got]
+            if len(got) == len(pairs) or not pending:
+                break
+            # Somebody else reserved some of our devices: look again.
+            free = (
+                await conn.execute(
+                    self._free_devices(now).order_by(devices.c.host_id, devices.c.device_id)
+                )
+            ).all()
+        if won:
+            log.debug("tasks.assigned", count=len(won))
+        return won
+
+    async def _bind_attempts(
+        self, conn: AsyncConnection, now: datetime, pairs: list[tuple[Any, Any]]
+    ) -> list[Assignment]:
+        deadline = now + timedelta(seconds=self.timings.claim_s)
+        out = [
+            Assignment(
+                task_id=t.id,
+                attempt=t.attempt + 1,
+                host_id=d.host_id,
+                device_id=d.device_id,
+                lease_id=str(uuid.uuid4()),
+                claim_deadline=deadline,
+                project=t.project,
+            )
+            for t, d in pairs
+        ]
+        await conn.execute(
+            attempts.insert(),
+            [
+                {
+                    "task_id": a.task_id,
+                    "number": a.attempt,
+                    "host_id": a.host_id,
+                    "device_id": a.device_id,
+                    "lease_id": a.lease_id,
+                    "assigned_at": now,
+                    "claim_deadline": deadline,
+                }
+                for a in out
+            ],
+        )
+        r = _unnest(
+            "r",
+            id=(UUIDT, [a.task_id for a in out]),
+            number=(sa.Integer, [a.attempt for a in out]),
+        )
+        updated = await conn.execute(
+            tasks.update()
+            .where(
+                tasks.c.id == r.c.id,
+                tasks.c.status.in_(_WAITING),
+                tasks.c.attempt == r.c.number - 1,
+            )
+            .values(
+                status=TaskState.ASSIGNED.value,
+                attempt=r.c.number,
+                progress_seq=0,
+                updated_at=now,
+            )
+        )
+        if updated.rowcount != len(out):  # locked rows cannot move: a bug if seen
+            raise Conflict("assignment lost its task", reason="assign_race")
+        return out
+
+    # --- host messages: fencing ----------------------------------------------------
+    async def _load(
+        self,
+        conn: AsyncConnection,
+        session: Session,
+        task_id: str,
+        attempt: int,
+    ) -> RowMapping:
+        """Lock the task and the referenced attempt and read the caller's host row,
+        in one statement; raise the precise error when there is no such pair."""
+        row = (
+            (
+                await conn.execute(
+                    sa.select(
+                        *_FENCE_COLUMNS,
+                        hosts.c.session_generation.label("host_generation"),
+                        hosts.c.revoked_at.label("host_revoked_at"),
+                    )
+                    .select_from(
+                        tasks.join(
+                            attempts,
+                            sa.and_(attempts.c.task_id == tasks.c.id, attempts.c.number == attempt),
+                        ).outerjoin(hosts, hosts.c.host_id == session.host_id)
+                    )
+                    .where(tasks.c.id == task_id)
+                    .with_for_update(of=[tasks, attempts])
+                )
+            )
+            .mappings()
+            .first()
+        )
+        if row is not None:
+            if not _session_ok(session, row["host_generation"], row["host_revoked_at"]):
+                raise _unauthorized(session)
+            return row
+        await self._check_session_row(conn, session)
+        exists = (await conn.execute(sa.select(tasks.c.id).where(tasks.c.id == task_id))).first()
+        if exists is None:
+            raise NotFound("no such task", task_id=task_id)
+        raise Conflict("no such attempt", reason="unknown_attempt", task_id=task_id)
+
+    async def _check_session_row(
+        self, conn: AsyncConnection, session: Session, *, lock: bool = False
+    ) -> None:
+        stmt = sa.select(hosts.c.session_generation, hosts.c.revoked_at).where(
+            hosts.c.host_id == session.host_id
+        )
+        if lock:
+            stmt = stmt.with_for_update(read=True)
+        host = (await conn.execute(stmt)).first()
+        if host is None or not _session_ok(session, host.session_generation, host.revoked_at):
+            raise _unauthorized(session)
+
+    @staticmethod
+    def _fence_owner(row: RowMapping, session: Session, attempt: int) -> None:
+        if row["a_host_id"] != session.host_id:
+            raise Forbidden("the attempt belongs to another host", task_id=row["task_id"])
+        if attempt != row["attempt"]:
+            raise Conflict(
+                "stale attempt",
+                reason="stale_attempt",
+                task_id=row["task_id"],
+                current_attempt=row["attempt"],
+            )
+
+    @staticmethod
+    def _fence_lease(row: RowMapping, session: Session, attempt: int, lease_token: str) -> None:
+        """Checks 2-5 of model.md "Fencing" except the deadline (check 1 is done by
+        ``_load``)."""
+        Repository._fence_owner(row, session, attempt)
+        tid = row["task_id"]
+        if not matches(lease_token, row["a_token_hash"]):
+            raise Conflict("lease token does not match", reason="wrong_lease", task_id=tid)
+        if row["a_generation"] != session.generation:
+            raise Conflict(
+                "the attempt is bound to an older session: reconcile first",
+                reason="session_not_bound",
+                task_id=tid,
+            )
+        if row["status"] in TERMINAL_STATES:
+            raise Gone("the task is terminal", reason="terminal", task_id=tid, state=row["status"])
+        if row["status"] not in _LEASED:
+            raise Conflict(
+                "the task state does not accept this message",
+                reason="wrong_state",
+                task_id=tid,
+                state=row["status"],
+            )
+
+    @staticmethod
+    def _check_lease_args(session: Session, task_id: str, attempt: int, lease_token: str) -> str:
+        _check_session(session)
+        tid = _check_task_id(task_id)
+        _check_int(attempt, "attempt", 1, MAX_INT32)
+        _check_str(lease_token, "lease_token", max_len=512)
+        return tid
+
+    @staticmethod
+    def _deadline(row: RowMapping) -> datetime:
+        if row["status"] == TaskState.DISPATCHED.value:
+            return row["a_ack_deadline"]  # type: ignore[no-any-return]
+        return row["a_lease_expires_at"]  # type: ignore[no-any-return]
+
+    def _status(self, row: RowMapping, state: str, expires: datetime) -> LeaseStatus:
+        return LeaseStatus(
+            task_id=row["task_id"],
+            attempt=row["attempt"],
+            state=TaskState(state),
+            lease_expires_at=expires,
+            cancel_requested=row["cancel_requested_at"] is not None,
+        )
+
+    async def _update_pair(
+        self,
+        conn: AsyncConnection,
+        task_id: str,
+        attempt: int,
+        from_states: Sequence[str],
+        task_values: dict[str, Any],
+        attempt_values: dict[str, Any],
+    ) -> None:
+        """Compare-and-set the task (state and attempt) and its attempt in one
+        statement; zero rows is a ``Conflict`` (the caller holds the row locks, so
+        it means a bug rather than a race)."""
+        t = (
+            tasks.update()
+            .where(
+                tasks.c.id == task_id,
+                tasks.c.status.in_(from_states),
+                tasks.c.attempt == attempt,
+            )
+            .values(**task_values)
+            .returning(tasks.c.id)
+            .cte("t")
+        )
+        done = (
+            await conn.execute(
+                attempts.update()
+                .where(
+                    attempts.c.task_id == t.c.id,
+                    attempts.c.number == attempt,
+                    attempts.c.ended_at.is_(None),
+                )
+                .values(**attempt_values)
+                .returning(attempts.c.number)
+            )
+        ).first()
+        if done is None:
+            raise Conflict("the task changed underneath", reason="cas_failed", task_id=task_id)
+
+    # --- claim / ack / renew / progress ------------------------------------------
     async def claim(self, session: Session, task_id: str, attempt: int) -> Claimed:
         """assigned -> dispatched, only by the owning host with its current session
         before the claim deadline. Generates the lease token (returned once), stores
         only its SHA-256, sets ack deadline and the session generation on the
         attempt. Concurrent claims: exactly one wins, the others get ``Conflict``."""
-        raise NotImplementedError
+        _check_session(session)
+        tid = _check_task_id(task_id)
+        _check_int(attempt, "attempt", 1, MAX_INT32)
 
-    async def claim_next(self, session: Session, *, device_ids: Sequence[str] = ()) -> Claimed | None:
+        async def run(conn: AsyncConnection, now: datetime) -> Claimed:
+            row = await self._load(conn, session, tid, attempt)
+            self._fence_owner(row, session, attempt)
+            return await self._claim_row(conn, row, session, now)
+
+        return await self._tx("claim", run)
+
+    async def _claim_row(
+        self, conn: AsyncConnection, row: RowMapping, session: Session, now: datetime
+    ) -> Claimed:
+        tid = row["task_id"]
+        if row["status"] in TERMINAL_STATES:
+            raise Gone("the task is terminal", reason="terminal", task_id=tid)
+        if row["status"] != TaskState.ASSIGNED.value:
+            raise Conflict(
+                "the assignment is not claimable",
+                reason="already_claimed" if row["status"] in _LEASED else "wrong_state",
+                task_id=tid,
+                state=row["status"],
+            )
+        if not row["a_claim_deadline"] > now:
+            raise Gone("the claim deadline has passed", reason="deadline_passed", task_id=tid)
+        token = new_token()
+        ack_deadline = now + timedelta(seconds=self.timings.ack_s)
+        await self._update_pair(
+            conn,
+            tid,
+            row["attempt"],
+            [TaskState.ASSIGNED.value],
+            {"status": TaskState.DISPATCHED.value, "updated_at": now},
+            {
+                "lease_token_hash": hash_secret(token),
+                "session_generation": session.generation,
+                "claimed_at": now,
+                "ack_deadline": ack_deadline,
+                "lease_expires_at": ack_deadline,
+            },
+        )
+        return Claimed(
+            task_id=tid,
+            attempt=row["attempt"],
+            host_id=row["a_host_id"],
+            device_id=row["a_device_id"],
+            lease_id=row["a_lease_id"],
+            lease_token=token,
+            kind=TaskKind(row["kind"]),
+            payload=row["payload"],
+            goal=row["goal"],
+            workflow=row["workflow"],
+            ack_deadline=ack_deadline,
+            lease_s=self.timings.lease_s,
+        )
+
+    async def claim_next(
+        self, session: Session, *, device_ids: Sequence[str] = ()
+    ) -> Claimed | None:
         """Claim the oldest unexpired assigned attempt of this host (optionally only
         on the given devices), or None. SKIP LOCKED among candidates."""
-        raise NotImplementedError
+        _check_session(session)
+        if isinstance(device_ids, str) or not all(isinstance(d, str) for d in device_ids):
+            raise Invalid("device_ids must be a sequence of strings", field="device_ids")
+        wanted = list(device_ids)
+
+        async def run(conn: AsyncConnection, now: datetime) -> Claimed | None:
+            await self._check_session_row(conn, session)
+            conds = [
+                tasks.c.status == TaskState.ASSIGNED.value,
+                attempts.c.host_id == session.host_id,
+                attempts.c.claim_deadline > now,
+            ]
+            if wanted:
+                conds.append(attempts.c.device_id.in_(wanted))
+            row = (
+                (
+                    await conn.execute(
+                        sa.select(*_FENCE_COLUMNS)
+                        .select_from(
+                            tasks.join(
+                                attempts,
+                                sa.and_(
+                                    attempts.c.task_id == tasks.c.id,
+                                    attempts.c.number == tasks.c.attempt,
+                                ),
+                            )
+                        )
+                        .where(*conds)
+                        .order_by(attempts.c.assigned_at, tasks.c.seq)
+                        .limit(1)
+                        .with_for_update(of=[tasks, attempts], skip_locked=True)
+                    )
+                )
+                .mappings()
+                .first()
+            )
+            if row is None:
+                return None
+            return await self._claim_row(conn, row, session, now)
+
+        return await self._tx("claim_next", run)
 
     async def pending_assignments(self, host_id: str) -> list[Assignment]:
         """Assigned (unclaimed, unexpired) attempts of a host (read only)."""
-        raise NotImplementedError
+        _check_host_id(host_id)
 
-    async def ack(self, session: Session, task_id: str, attempt: int, lease_token: str) -> LeaseStatus:
+        async def run(conn: AsyncConnection, now: datetime) -> list[Assignment]:
+            return await self._assignments(
+                conn,
+                tasks.c.status == TaskState.ASSIGNED.value,
+                attempts.c.host_id == host_id,
+                attempts.c.claim_deadline > now,
+            )
+
+        return await self._tx("pending_assignments", run)
+
+    async def _assignments(
+        self, conn: AsyncConnection, *conds: sa.ColumnElement[bool]
+    ) -> list[Assignment]:
+        rows = (
+            await conn.execute(
+                sa.select(
+                    tasks.c.id,
+                    tasks.c.project,
+                    attempts.c.number,
+                    attempts.c.host_id,
+                    attempts.c.device_id,
+                    attempts.c.lease_id,
+                    attempts.c.claim_deadline,
+                )
+                .join(
+                    attempts,
+                    sa.and_(attempts.c.task_id == tasks.c.id, attempts.c.number == tasks.c.attempt),
+                )
+                .where(*conds)
+                .order_by(attempts.c.assigned_at, tasks.c.seq)
+            )
+        ).all()
+        return [
+            Assignment(
+                task_id=r.id,
+                attempt=r.number,
+                host_id=r.host_id,
+                device_id=r.device_id,
+                lease_id=r.lease_id,
+                claim_deadline=r.claim_deadline,
+                project=r.project,
+            )
+            for r in rows
+        ]
+
+    async def ack(
+        self, session: Session, task_id: str, attempt: int, lease_token: str
+    ) -> LeaseStatus:
         """dispatched -> running before the ack deadline; starts the execution lease.
         Repeated ack of a running attempt returns the current status."""
-        raise NotImplementedError
+        tid = self._check_lease_args(session, task_id, attempt, lease_token)
 
-    async def renew(self, session: Session, task_id: str, attempt: int, lease_token: str) -> LeaseStatus:
+        async def run(conn: AsyncConnection, now: datetime) -> LeaseStatus:
+            row = await self._load(conn, session, tid, attempt)
+            self._fence_lease(row, session, attempt, lease_token)
+            if row["status"] == TaskState.RUNNING.value:
+                if not row["a_lease_expires_at"] > now:
+                    raise Conflict("the lease has expired", reason="lease_expired", task_id=tid)
+                return self._status(row, row["status"], row["a_lease_expires_at"])
+            if not row["a_ack_deadline"] > now:
+                raise Gone("the ack deadline has passed", reason="deadline_passed", task_id=tid)
+            expires = now + timedelta(seconds=self.timings.lease_s)
+            await self._update_pair(
+                conn,
+                tid,
+                attempt,
+                [TaskState.DISPATCHED.value],
+                {"status": TaskState.RUNNING.value, "updated_at": now},
+                {"acked_at": now, "lease_expires_at": expires},
+            )
+            return self._status(row, TaskState.RUNNING.value, expires)
+
+        return await self._tx("ack", run)
+
+    async def renew(
+        self, session: Session, task_id: str, attempt: int, lease_token: str
+    ) -> LeaseStatus:
         """Extend the lease of a dispatched/running attempt (now + lease_s), same
         attempt and device; reports ``cancel_requested``. Expired, replaced or
-        foreign lease: ``Conflict`` (or ``Gone`` when terminal) and nothing changes."""
-        raise NotImplementedError
+        foreign lease: ``Conflict`` (or ``Gone`` when terminal) and nothing changes.
+        In ``dispatched`` the deadline stays the ack deadline (see module doc)."""
+        result = (
+            await self.renew_many(
+                [
+                    Renewal(
+                        session=session, task_id=task_id, attempt=attempt, lease_token=lease_token
+                    )
+                ]
+            )
+        )[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     async def renew_many(self, renewals: Sequence[Renewal]) -> list[LeaseStatus | Exception]:
         """Many renewals in one transaction; each entry gets its own outcome (an
         error for one never rolls back the others)."""
-        raise NotImplementedError
+        if isinstance(renewals, str | bytes) or not isinstance(renewals, Sequence):
+            raise Invalid("renewals must be a sequence of Renewal", field="renewals")
+        checked: list[str | Exception] = []
+        for r in renewals:
+            try:
+                if not isinstance(r, Renewal):
+                    raise Invalid("renewals must be a sequence of Renewal", field="renewals")
+                checked.append(
+                    self._check_lease_args(r.session, r.task_id, r.attempt, r.lease_token)
+                )
+            except RepositoryError as exc:
+                checked.append(exc)
+        if not renewals:
+            return []
+
+        async def run(conn: AsyncConnection, now: datetime) -> list[LeaseStatus | Exception]:
+            keys = sorted(
+                {
+                    (t, r.attempt)
+                    for t, r in zip(checked, renewals, strict=True)
+                    if isinstance(t, str)
+                }
+            )
+            rows = await self._load_many(conn, keys)
+            host_ids = {r.session.host_id for r in renewals if isinstance(r, Renewal)}
+            host_rows = {
+                h.host_id: h
+                for h in await conn.execute(
+                    sa.select(
+                        hosts.c.host_id, hosts.c.session_generation, hosts.c.revoked_at
+                    ).where(hosts.c.host_id.in_(host_ids))
+                )
+            }
+            new_expiry = now + timedelta(seconds=self.timings.lease_s)
+            out: list[LeaseStatus | Exception] = []
+            extend: set[tuple[str, int]] = set()
+            missing: list[str] = []
+            for tid, r in zip(checked, renewals, strict=True):
+                if isinstance(tid, Exception):
+                    out.append(tid)
+                    continue
+                try:
+                    h = host_rows.get(r.session.host_id)
+                    if h is None or not _session_ok(r.session, h.session_generation, h.revoked_at):
+                        raise _unauthorized(r.session)
+                    row = rows.get((tid, r.attempt))
+                    if row is None:
+                        missing.append(tid)
+                        raise Conflict("no such attempt", reason="unknown_attempt", task_id=tid)
+                    self._fence_lease(row, r.session, r.attempt, r.lease_token)
+                    deadline = self._deadline(row)
+                    if not deadline > now:
+                        raise Conflict("the lease has expired", reason="lease_expired", task_id=tid)
+                    if row["status"] == TaskState.RUNNING.value:
+                        extend.add((tid, r.attempt))
+                        deadline = new_expiry
+                    out.append(self._status(row, row["status"], deadline))
+                except RepositoryError as exc:
+                    out.append(exc)
+            if missing:
+                known = set(
+                    str(x)
+                    for x in (
+                        await conn.execute(sa.select(tasks.c.id).where(tasks.c.id.in_(missing)))
+                    ).scalars()
+                )
+                for i, (tid, _r) in enumerate(zip(checked, renewals, strict=True)):
+                    outcome = out[i]
+                    if (
+                        isinstance(outcome, Conflict)
+                        and outcome.fields.get("reason") == "unknown_attempt"
+                        and tid not in known
+                    ):
+                        out[i] = NotFound("no such task", task_id=tid)
+            if extend:
+                ex = sorted(extend)
+                u = _unnest(
+                    "r",
+                    task_id=(UUIDT, [k[0] for k in ex]),
+                    number=(sa.Integer, [k[1] for k in ex]),
+                )
+                await conn.execute(
+                    attempts.update()
+                    .where(
+                        attempts.c.task_id == u.c.task_id,
+                        attempts.c.number == u.c.number,
+                        attempts.c.ended_at.is_(None),
+                    )
+                    .values(lease_expires_at=new_expiry)
+                )
+            return out
+
+        return await self._tx("renew", run)
+
+    async def _load_many(
+        self, conn: AsyncConnection, keys: Sequence[tuple[str, int]]
+    ) -> dict[tuple[str, int], RowMapping]:
+        """Lock tasks and their referenced attempts for a batch, in task id order."""
+        if not keys:
+            return {}
+        u = _unnest(
+            "k",
+            task_id=(UUIDT, [k[0] for k in keys]),
+            number=(sa.Integer, [k[1] for k in keys]),
+        )
+        rows = (
+            (
+                await conn.execute(
+                    sa.select(*_FENCE_COLUMNS)
+                    .select_from(
+                        u.join(
+                            attempts,
+                            sa.and_(
+                                attempts.c.task_id == u.c.task_id,
+                                attempts.c.number == u.c.number,
+                            ),
+                        ).join(tasks, tasks.c.id == attempts.c.task_id)
+                    )
+                    .order_by(tasks.c.id)
+                    .with_for_update(of=[tasks, attempts])
+                )
+            )
+            .mappings()
+            .all()
+        )
+        return {(r["task_id"], r["a_number"]): r for r in rows}
 
     async def progress(
         self, session: Session, task_id: str, attempt: int, lease_token: str, seq: int
     ) -> LeaseStatus:
         """A progress report: counts as a renewal; ``progress_seq`` only grows (an
         older or equal seq is accepted as a renewal but does not move it back)."""
-        raise NotImplementedError
+        tid = self._check_lease_args(session, task_id, attempt, lease_token)
+        _check_int(seq, "seq", 0, 2**63 - 1)
 
+        async def run(conn: AsyncConnection, now: datetime) -> LeaseStatus:
+            row = await self._load(conn, session, tid, attempt)
+            self._fence_lease(row, session, attempt, lease_token)
+            deadline = self._deadline(row)
+            if not deadline > now:
+                raise Conflict("the lease has expired", reason="lease_expired", task_id=tid)
+            if seq > row["progress_seq"]:
+                await conn.execute(tasks.update().where(tasks.c.id == tid).values(progress_seq=seq))
+            if row["status"] == TaskState.RUNNING.value:
+                deadline = now + timedelta(seconds=self.timings.lease_s)
+                await conn.execute(
+                    attempts.update()
+                    .where(attempts.c.task_id == tid, attempts.c.number == attempt)
+                    .values(lease_expires_at=deadline)
+                )
+            return self._status(row, row["status"], deadline)
+
+        return await self._tx("progress", run)
+
+    # --- results -----------------------------------------------------------------
     async def report_result(
-        self, session: Session, task_id: str, attempt: int, lease_token: str, *,
-        outcome: Outcome, retryable: bool = False, reason: str = "",
-        result: dict[str, Any] | None = None, fingerprint: str,
+        self,
+        session: Session,
+        task_id: str,
+        attempt: int,
+        lease_token: str,
+        *,
+        outcome: Outcome,
+        retryable: bool = False,
+        reason: str = "",
+        result: dict[str, Any] | None = None,
+        fingerprint: str,
     ) -> ResultRecord:
         """Terminal report from the active lease: done / failed / cancelled; a
         retryable failure with attempts left goes to retrying (eligible_at = now +
         backoff). Releases the reservation. Replay with the same attempt and
         fingerprint returns the recorded outcome (``replayed=True``); a different
         fingerprint or a stale attempt is ``Conflict``."""
-        raise NotImplementedError
+        tid = self._check_lease_args(session, task_id, attempt, lease_token)
+        try:
+            out = Outcome(outcome)
+        except ValueError:
+            raise Invalid("outcome must be done, failed or cancelled", field="outcome") from None
+        if not isinstance(retryable, bool):
+            raise Invalid("retryable must be a boolean", field="retryable")
+        _check_str(reason, "reason", max_len=4096, empty=True)
+        res = None if result is None else _check_json_dict(result, "result")
+        _check_str(fingerprint, "fingerprint", max_len=256)
 
+        async def run(conn: AsyncConnection, now: datetime) -> ResultRecord:
+            row = await self._load(conn, session, tid, attempt)
+            if row["a_host_id"] != session.host_id:
+                raise Forbidden("the attempt belongs to another host", task_id=tid)
+            if not matches(lease_token, row["a_token_hash"]):
+                raise Conflict("lease token does not match", reason="wrong_lease", task_id=tid)
+            if row["result_attempt"] == attempt:
+                return self._replay(row, fingerprint)
+            self._fence_lease(row, session, attempt, lease_token)
+            if not self._deadline(row) > now:
+                raise Conflict("the lease has expired", reason="lease_expired", task_id=tid)
+            return await self._record_result(
+                conn, row, now, out, retryable, reason, res, fingerprint
+            )
+
+        return await self._tx("report_result", run)
+
+    @staticmethod
+    def _replay(row: RowMapping, fingerprint: str) -> ResultRecord:
+        stored = row["result_fingerprint"] or ""
+        if not secrets_equal(stored.encode(), fingerprint.encode()):
+            raise Conflict(
+                "a different result was recorded for this attempt",
+                reason="fingerprint_mismatch",
+                task_id=row["task_id"],
+            )
+        status = TaskState(row["status"])
+        if status in TERMINAL_STATES and row["attempt"] == row["a_number"]:
+            state, retry_at = status, None
+        elif row["backoff_base_s"] <= 0:
+            state, retry_at = TaskState.QUEUED, None
+        else:
+            state, retry_at = TaskState.RETRYING, row["eligible_at"]
+        return ResultRecord(
+            task_id=row["task_id"],
+            attempt=row["a_number"],
+            state=state,
+            outcome=_OUTCOME_OF_END.get(row["a_end_reason"] or "", Outcome.FAILED),
+            fingerprint=stored,
+            replayed=True,
+            retry_at=retry_at,
+        )
+
+    async def _record_result(
+        self,
+        conn: AsyncConnection,
+        row: RowMapping,
+        now: datetime,
+        outcome: Outcome,
+        retryable: bool,
+        reason: str,
+        result: dict[str, Any] | None,
+        fingerprint: str,
+    ) -> ResultRecord:
+        tid = row["task_id"]
+        eligible_at: datetime | None = None
+        terminal_reason: str | None
+        if outcome is Outcome.DONE:
+            state, end, terminal_reason = TaskState.DONE, EndReason.DONE, reason or "done"
+        elif outcome is Outcome.CANCELLED:
+            state, end, terminal_reason = TaskState.CANCELLED, EndReason.CANCELLED, "cancelled"
+        elif not retryable:
+            state, end, terminal_reason = TaskState.FAILED, EndReason.FAILED, reason or "failed"
+        else:
+            end = EndReason.RETRYABLE_FAILURE
+            state, eligible_at, terminal_reason = _after_failure(row, now, reason or "failed")
+        values: dict[str, Any] = {
+            "status": state.value,
+            "result": result,
+            "result_fingerprint": fingerprint,
+            "result_attempt": row["attempt"],
+            "terminal_reason": terminal_reason,
+            "updated_at": now,
+        }
+        if eligible_at is not None:
+            values["eligible_at"] = eligible_at
+        if state in TERMINAL_STATES:
+            values["finished_at"] = now
+        await self._update_pair(
+            conn,
+            tid,
+            row["attempt"],
+            _LEASED,
+            values,
+            {"ended_at": now, "end_reason": end.value},
+        )
+        await conn.execute(device_reservations.delete().where(device_reservations.c.task_id == tid))
+        log.debug("task.result", task_id=tid, attempt=row["attempt"], state=state.value)
+        return ResultRecord(
+            task_id=tid,
+            attempt=row["attempt"],
+            state=state,
+            outcome=outcome,
+            fingerprint=fingerprint,
+            replayed=False,
+            retry_at=eligible_at if state is TaskState.RETRYING else None,
+        )
+
+    # --- cancellation ----------------------------------------------------------------
     async def request_cancel(self, task_id: str, user: User) -> CancelRecord:
         """Authorized (owner, project admin, platform admin; else ``Forbidden`` and
         nothing written). queued/retrying -> cancelled at once; in flight -> durable
         intent on the task and its current attempt; repeated requests return the
         first intent; terminal tasks return their state unchanged."""
-        raise NotImplementedError
+        tid = _check_task_id(task_id)
+        _check_user(user)
 
+        async def run(conn: AsyncConnection, now: datetime) -> CancelRecord:
+            row = (
+                await conn.execute(
+                    sa.select(
+                        tasks.c.status,
+                        tasks.c.attempt,
+                        tasks.c.owner,
+                        tasks.c.project,
+                        tasks.c.cancel_requested_at,
+                        tasks.c.cancel_requested_by,
+                    )
+                    .where(tasks.c.id == tid)
+                    .with_for_update()
+                )
+            ).first()
+            if row is None:
+                raise NotFound("no such task", task_id=tid)
+            if not await self._may_access(conn, user, row.owner, row.project):
+                raise Forbidden("not allowed to cancel this task", task_id=tid)
+            status = TaskState(row.status)
+            if row.cancel_requested_at is not None or status in TERMINAL_STATES:
+                return CancelRecord(
+                    task_id=tid,
+                    state=status,
+                    requested_at=row.cancel_requested_at or now,
+                    requested_by=row.cancel_requested_by or user.name,
+                    completed=status in TERMINAL_STATES,
+                )
+            intent = {"cancel_requested_at": now, "cancel_requested_by": user.name}
+            if status in WAITING_STATES:
+                await conn.execute(
+                    tasks.update()
+                    .where(tasks.c.id == tid, tasks.c.status == status.value)
+                    .values(
+                        status=TaskState.CANCELLED.value,
+                        terminal_reason="cancelled",
+                        finished_at=now,
+                        updated_at=now,
+                        **intent,
+                    )
+                )
+                return CancelRecord(
+                    task_id=tid,
+                    state=TaskState.CANCELLED,
+                    requested_at=now,
+                    requested_by=user.name,
+                    completed=True,
+                )
+            await self._update_pair(
+                conn,
+                tid,
+                row.attempt,
+                [status.value],
+                {**intent, "updated_at": now},
+                {"cancel_requested_at": now},
+            )
+            return CancelRecord(
+                task_id=tid,
+                state=status,
+                requested_at=now,
+                requested_by=user.name,
+                completed=False,
+            )
+
+        return await self._tx("request_cancel", run)
+
+    # --- expiry ------------------------------------------------------------------------
     async def expire_due(self, *, limit: int = 500) -> list[Expired]:
         """Attempts whose claim, ack or lease deadline passed: retrying with capped
         exponential backoff (queued at once if base is 0), failed ``lease_expired``
         at the limit, cancelled when a cancel is pending. Reservation released,
         attempt kept with its end reason."""
-        raise NotImplementedError
+        _check_int(limit, "limit", 1, 100_000)
+
+        async def run(conn: AsyncConnection, now: datetime) -> list[Expired]:
+            due = sa.or_(
+                sa.and_(
+                    tasks.c.status == TaskState.ASSIGNED.value, attempts.c.claim_deadline <= now
+                ),
+                sa.and_(tasks.c.status.in_(_LEASED), attempts.c.lease_expires_at <= now),
+            )
+            # Locking the attempt too makes the deadline recheck see a renewal that
+            # committed after our snapshot.
+            rows = (
+                (
+                    await conn.execute(
+                        sa.select(*_FENCE_COLUMNS)
+                        .select_from(
+                            tasks.join(
+                                attempts,
+                                sa.and_(
+                                    attempts.c.task_id == tasks.c.id,
+                                    attempts.c.number == tasks.c.attempt,
+                                ),
+                            )
+                        )
+                        .where(due)
+                        .order_by(tasks.c.id)
+                        .limit(limit)
+                        .with_for_update(of=[tasks, attempts], skip_locked=True)
+                    )
+                )
+                .mappings()
+                .all()
+            )
+            endings = [
+                self._ending(r, now, _EXPIRY_REASON[r["status"]], "lease_expired") for r in rows
+            ]
+            await self._apply_endings(conn, now, endings)
+            if endings:
+                log.info("attempts.expired", count=len(endings))
+            return [e.expired() for e in endings]
+
+        return await self._tx("expire_due", run)
+
+    @staticmethod
+    def _ending(row: RowMapping, now: datetime, reason: EndReason, terminal_reason: str) -> _Ending:
+        state, eligible_at, term = _after_failure(row, now, terminal_reason)
+        return _Ending(
+            task_id=row["task_id"],
+            attempt=row["attempt"],
+            host_id=row["a_host_id"],
+            device_id=row["a_device_id"],
+            old_state=row["status"],
+            reason=reason,
+            new_state=state,
+            eligible_at=eligible_at,
+            terminal_reason=term,
+        )
+
+    async def _apply_endings(
+        self,
+        conn: AsyncConnection,
+        now: datetime,
+        endings: Sequence[_Ending],
+        *,
+        reconcile_outcome: str | None = None,
+    ) -> None:
+        """End a batch of locked active attempts: task state (compare-and-set on the
+        old state and attempt), attempt end, reservation release: three statements."""
+        if not endings:
+            return
+        TS = sa.DateTime(timezone=True)
+        r = _unnest(
+            "r",
+            id=(UUIDT, [e.task_id for e in endings]),
+            old_status=(sa.Text, [e.old_state for e in endings]),
+            number=(sa.Integer, [e.attempt for e in endings]),
+            status=(sa.Text, [e.new_state.value for e in endings]),
+            eligible_at=(TS, [e.eligible_at for e in endings]),
+            terminal_reason=(sa.Text, [e.terminal_reason for e in endings]),
+            finished_at=(TS, [now if e.new_state in TERMINAL_STATES else None for e in endings]),
+            end_reason=(sa.Text, [e.reason.value for e in endings]),
+        )
+        values: dict[str, Any] = {
+            "status": r.c.status,
+            "eligible_at": sa.func.coalesce(r.c.eligible_at, tasks.c.eligible_at),
+            "terminal_reason": r.c.terminal_reason,
+            "finished_at": r.c.finished_at,
+            "updated_at": now,
+        }
+        if reconcile_outcome is not None:
+            values["reconcile_outcome"] = reconcile_outcome
+            values["reconciled_at"] = now
+        updated = await conn.execute(
+            tasks.update()
+            .where(
+                tasks.c.id == r.c.id,
+                tasks.c.status == r.c.old_status,
+                tasks.c.attempt == r.c.number,
+            )
+            .values(**values)
+        )
+        if updated.rowcount != len(endings):
+            raise Conflict("tasks changed underneath", reason="cas_failed")
+        await conn.execute(
+            attempts.update()
+            .where(
+                attempts.c.task_id == r.c.id,
+                attempts.c.number == r.c.number,
+                attempts.c.ended_at.is_(None),
+            )
+            .values(ended_at=now, end_reason=r.c.end_reason)
+        )
+        await conn.execute(
+            device_reservations.delete().where(
+                device_reservations.c.task_id == sa.any_(_arr([e.task_id for e in endings], UUIDT))
+            )
+        )
 
     async def next_deadline(self) -> datetime | None:
         """The earliest claim/ack/lease deadline of any active attempt, or the
         earliest ``eligible_at`` of a retrying task, or None."""
-        raise NotImplementedError
+
+        async def run(conn: AsyncConnection, now: datetime) -> datetime | None:
+            deadline = sa.case(
+                (tasks.c.status == TaskState.ASSIGNED.value, attempts.c.claim_deadline),
+                else_=attempts.c.lease_expires_at,
+            )
+            active = (
+                sa.select(sa.func.min(deadline))
+                .select_from(
+                    tasks.join(
+                        attempts,
+                        sa.and_(
+                            attempts.c.task_id == tasks.c.id, attempts.c.number == tasks.c.attempt
+                        ),
+                    )
+                )
+                .where(tasks.c.status.in_(_ACTIVE))
+                .scalar_subquery()
+            )
+            retry = (
+                sa.select(sa.func.min(tasks.c.eligible_at))
+                .where(tasks.c.status == TaskState.RETRYING.value)
+                .scalar_subquery()
+            )
+            value = (await conn.execute(sa.select(sa.func.least(active, retry)))).scalar()
+            return value
+
+        return await self._tx("next_deadline", run)
 
     async def active_attempts(self, host_id: str | None = None) -> list[Assignment]:
         """Every active attempt (for rebuilding Lease actors after a restart)."""
-        raise NotImplementedError
+        conds: list[sa.ColumnElement[bool]] = [tasks.c.status.in_(_ACTIVE)]
+        if host_id is not None:
+            _check_host_id(host_id)
+            conds.append(attempts.c.host_id == host_id)
+        return await self._tx("active_attempts", lambda conn, now: self._assignments(conn, *conds))
 
     # --- hosts -----------------------------------------------------------------
     async def add_host(self, host_id: str) -> str:
         """Create a host; returns its raw credential once (only the hash stored).
-        ``Conflict`` if it exists (unless revoked: then re-issued)."""
-        raise NotImplementedError
+        ``Conflict`` if it exists (unless revoked: then re-issued, and every older
+        session generation stays dead)."""
+        _check_host_id(host_id)
+        credential = new_token()
+
+        async def run(conn: AsyncConnection, now: datetime) -> str:
+            ins = pg_insert(hosts).values(
+                host_id=host_id, credential_hash=hash_secret(credential), created_at=now
+            )
+            stmt = ins.on_conflict_do_update(
+                index_elements=[hosts.c.host_id],
+                set_={
+                    "credential_hash": ins.excluded.credential_hash,
+                    "revoked_at": None,
+                    "last_seen": None,
+                    "session_generation": hosts.c.session_generation + 1,
+                },
+                where=hosts.c.revoked_at.is_not(None),
+            ).returning(hosts.c.host_id)
+            if (await conn.execute(stmt)).first() is None:
+                raise Conflict("host exists", reason="exists", host_id=host_id)
+            return credential
+
+        return await self._tx("add_host", run)
 
     async def revoke_host(self, host_id: str) -> list[Expired]:
         """Revoke the credential and every session; active attempts of the host end
-        (retry policy) and their reservations are released."""
-        raise NotImplementedError
+        (retry policy, end reason ``host_revoked``) and their reservations are
+        released. Revoking a revoked host changes nothing and returns []."""
+        _check_host_id(host_id)
+
+        async def run(conn: AsyncConnection, now: datetime) -> list[Expired]:
+            host = (
+                await conn.execute(
+                    sa.select(hosts.c.revoked_at)
+                    .where(hosts.c.host_id == host_id)
+                    .with_for_update()
+                )
+            ).first()
+            if host is None:
+                raise NotFound("no such host", host_id=host_id)
+            if host.revoked_at is not None:
+                return []
+            await conn.execute(
+                hosts.update().where(hosts.c.host_id == host_id).values(revoked_at=now)
+            )
+            rows = await self._lock_active_of_host(conn, host_id, _ACTIVE)
+            endings = [self._ending(r, now, EndReason.HOST_REVOKED, "host_revoked") for r in rows]
+            await self._apply_endings(conn, now, endings)
+            log.info("host.revoked", host_id=host_id, ended=len(endings))
+            return [e.expired() for e in endings]
+
+        return await self._tx("revoke_host", run)
+
+    async def _lock_active_of_host(
+        self, conn: AsyncConnection, host_id: str, states: Sequence[str]
+    ) -> Sequence[RowMapping]:
+        return (
+            (
+                await conn.execute(
+                    sa.select(*_FENCE_COLUMNS)
+                    .select_from(
+                        tasks.join(
+                            attempts,
+                            sa.and_(
+                                attempts.c.task_id == tasks.c.id,
+                                attempts.c.number == tasks.c.attempt,
+                            ),
+                        )
+                    )
+                    .where(attempts.c.host_id == host_id, tasks.c.status.in_(states))
+                    .order_by(tasks.c.id)
+                    .with_for_update(of=[tasks, attempts])
+                )
+            )
+            .mappings()
+            .all()
+        )
 
     async def register_session(self, host_id: str, credential: str) -> Session:
         """Check the credential (constant time) and start generation n+1; every older
         generation is dead. ``Unauthorized`` for unknown host, wrong credential or
         revoked host (same message for all three)."""
-        raise NotImplementedError
+        if not isinstance(host_id, str) or not isinstance(credential, str):
+            raise Unauthorized("invalid host credentials")
+
+        async def run(conn: AsyncConnection, now: datetime) -> Session:
+            row = (
+                await conn.execute(
+                    sa.select(hosts.c.credential_hash, hosts.c.revoked_at)
+                    .where(hosts.c.host_id == host_id)
+                    .with_for_update()
+                )
+            ).first()
+            ok = matches(credential, row.credential_hash if row else _DUMMY_HASH)
+            if row is None or not ok or row.revoked_at is not None:
+                raise Unauthorized("invalid host credentials")
+            generation = (
+                await conn.execute(
+                    hosts.update()
+                    .where(hosts.c.host_id == host_id)
+                    .values(
+                        session_generation=hosts.c.session_generation + 1,
+                        session_started_at=now,
+                        last_seen=now,
+                    )
+                    .returning(hosts.c.session_generation)
+                )
+            ).scalar_one()
+            log.info("host.registered", host_id=host_id, generation=generation)
+            return Session(host_id=host_id, generation=generation)
+
+        return await self._tx("register_session", run)
 
     async def current_generation(self, host_id: str) -> int | None:
-        """The host's current session generation (None if unknown or revoked)."""
-        raise NotImplementedError
+        """The host's current session generation (None if unknown, revoked or never
+        registered)."""
+        if not isinstance(host_id, str):
+            raise Invalid("host_id must be a string", field="host_id")
+
+        async def run(conn: AsyncConnection, now: datetime) -> int | None:
+            row = (
+                await conn.execute(
+                    sa.select(hosts.c.session_generation, hosts.c.revoked_at).where(
+                        hosts.c.host_id == host_id
+                    )
+                )
+            ).first()
+            if row is None or row.revoked_at is not None or row.session_generation <= 0:
+                return None
+            return int(row.session_generation)
+
+        return await self._tx("current_generation", run)
 
     async def heartbeat(self, session: Session, devices: Sequence[DeviceSnapshot]) -> None:
         """Refresh last_seen and replace only this host's device records."""
-        raise NotImplementedError
+        _check_session(session)
+        snapshot = _check_devices(devices)
+
+        async def run(conn: AsyncConnection, now: datetime) -> None:
+            seen = (
+                await conn.execute(
+                    hosts.update()
+                    .where(
+                        hosts.c.host_id == session.host_id,
+                        hosts.c.session_generation == session.generation,
+                        hosts.c.session_generation > 0,
+                        hosts.c.revoked_at.is_(None),
+                    )
+                    .values(last_seen=now)
+                    .returning(hosts.c.host_id)
+                )
+            ).first()
+            if seen is None:
+                raise _unauthorized(session)
+            await self._replace_devices(conn, now, session.host_id, snapshot)
+
+        await self._tx("heartbeat", run)
+
+    async def _replace_devices(
+        self, conn: AsyncConnection, now: datetime, host_id: str, snapshot: list[DeviceSnapshot]
+    ) -> None:
+        dev_table = devices
+        ids = [d.device_id for d in snapshot]
+        await conn.execute(
+            dev_table.delete().where(
+                dev_table.c.host_id == host_id,
+                dev_table.c.device_id != sa.all_(_arr(ids, sa.Text)),
+            )
+        )
+        if not snapshot:
+            return
+        r = _unnest(
+            "r",
+            device_id=(sa.Text, ids),
+            state=(sa.Text, [d.state for d in snapshot]),
+            capabilities=(sa.Text, [json.dumps(d.capabilities) for d in snapshot]),
+        )
+        stmt = pg_insert(dev_table).from_select(
+            ["host_id", "device_id", "state", "capabilities", "updated_at"],
+            sa.select(
+                sa.literal(host_id, sa.Text),
+                r.c.device_id,
+                r.c.state,
+                sa.cast(r.c.capabilities, dev_table.c.capabilities.type),
+                sa.literal(now, sa.DateTime(timezone=True)),
+            ),
+        )
+        # Unchanged rows are not rewritten: updated_at is the time of the last change.
+        await conn.execute(
+            stmt.on_conflict_do_update(
+                index_elements=[dev_table.c.host_id, dev_table.c.device_id],
+                set_={
+                    "state": stmt.excluded.state,
+                    "capabilities": stmt.excluded.capabilities,
+                    "updated_at": stmt.excluded.updated_at,
+                },
+                where=sa.or_(
+                    dev_table.c.state != stmt.excluded.state,
+                    dev_table.c.capabilities != stmt.excluded.capabilities,
+                ),
+            )
+        )
 
     async def reconcile(self, session: Session, entries: Sequence[JournalEntry]) -> ReconcileReport:
         """Confirm and rebind (to this generation) matching active attempts; verdict
         'discard' for stale/unknown/foreign/wrong-lease/terminal entries; active
         attempts of this host that the host did not report: cancel or retry policy,
-        end reason ``reconcile_lost``. Records the outcome on each task."""
-        raise NotImplementedError
+        end reason ``reconcile_lost``. Records the outcome on each task.
+
+        Only dispatched/running attempts can be lost (an assigned one was never
+        claimed, so the host cannot have journaled it). A confirmed running attempt
+        gets a fresh lease; a reported attempt whose deadline already passed is
+        discarded (reason ``expired``) and ends as an expiry. Discarded entries
+        write nothing."""
+        _check_session(session)
+        if isinstance(entries, str | bytes) or not isinstance(entries, Sequence):
+            raise Invalid("entries must be a sequence of JournalEntry", field="entries")
+        for e in entries:
+            if not isinstance(e, JournalEntry):
+                raise Invalid("entries must be a sequence of JournalEntry", field="entries")
+            if isinstance(e.attempt, bool) or not isinstance(e.attempt, int):
+                raise Invalid("attempt must be an integer", field="entries.attempt")
+            if not isinstance(e.lease_token, str) or not isinstance(e.task_id, str):
+                raise Invalid("entries must carry strings", field="entries")
+
+        async def run(conn: AsyncConnection, now: datetime) -> ReconcileReport:
+            refreshed = (
+                await conn.execute(
+                    hosts.update()
+                    .where(
+                        hosts.c.host_id == session.host_id,
+                        hosts.c.session_generation == session.generation,
+                        hosts.c.session_generation > 0,
+                        hosts.c.revoked_at.is_(None),
+                    )
+                    .values(last_seen=now)
+                    .returning(hosts.c.host_id)
+                )
+            ).first()
+            if refreshed is None:
+                raise _unauthorized(session)
+            keys: list[tuple[str, int]] = []
+            parsed: list[tuple[JournalEntry, str | None]] = []
+            for e in entries:
+                try:
+                    tid: str | None = str(uuid.UUID(e.task_id))
+                except ValueError:
+                    tid = None
+                if tid is not None and 1 <= e.attempt <= MAX_INT32:
+                    keys.append((tid, e.attempt))
+                else:
+                    tid = None
+                parsed.append((e, tid))
+            active = await self._lock_active_of_host(conn, session.host_id, _LEASED)
+            rows = await self._load_many(conn, sorted(set(keys)))
+            lease_expiry = now + timedelta(seconds=self.timings.lease_s)
+            verdicts: list[ReconcileVerdict] = []
+            confirmed: dict[str, tuple[int, str]] = {}
+            expired_rows: dict[str, RowMapping] = {}
+            for e, tid in parsed:
+                row = rows.get((tid, e.attempt)) if tid is not None else None
+                reason = self._reconcile_reason(row, session, e, now)
+                if reason == "expired" and row is not None:
+                    expired_rows[row["task_id"]] = row
+                if reason != "confirmed" or row is None:
+                    verdicts.append(
+                        ReconcileVerdict(
+                            task_id=e.task_id, attempt=e.attempt, verdict="discard", reason=reason
+                        )
+                    )
+                    continue
+                expires = lease_expiry
+                if row["status"] == TaskState.DISPATCHED.value:
+                    expires = row["a_ack_deadline"]
+                confirmed[row["task_id"]] = (e.attempt, row["status"])
+                verdicts.append(
+                    ReconcileVerdict(
+                        task_id=e.task_id,
+                        attempt=e.attempt,
+                        verdict="confirmed",
+                        reason="confirmed",
+                        state=TaskState(row["status"]),
+                        cancel_requested=row["cancel_requested_at"] is not None,
+                        lease_expires_at=expires,
+                    )
+                )
+            if confirmed:
+                ids = sorted(confirmed)
+                r = _unnest(
+                    "r",
+                    id=(UUIDT, ids),
+                    number=(sa.Integer, [confirmed[i][0] for i in ids]),
+                )
+                await conn.execute(
+                    attempts.update()
+                    .where(attempts.c.task_id == r.c.id, attempts.c.number == r.c.number)
+                    .values(
+                        session_generation=session.generation,
+                        lease_expires_at=sa.case(
+                            (attempts.c.acked_at.is_(None), attempts.c.lease_expires_at),
+                            else_=lease_expiry,
+                        ),
+                    )
+                )
+                await conn.execute(
+                    tasks.update()
+                    .where(tasks.c.id == sa.any_(_arr(ids, UUIDT)))
+                    .values(reconcile_outcome="confirmed", reconciled_at=now)
+                )
+            lost = [
+                self._ending(r, now, EndReason.RECONCILE_LOST, "reconcile_lost")
+                for r in active
+                if r["task_id"] not in confirmed and r["task_id"] not in expired_rows
+            ]
+            await self._apply_endings(conn, now, lost, reconcile_outcome="lost")
+            late = [
+                self._ending(r, now, _EXPIRY_REASON[r["status"]], "lease_expired")
+                for r in expired_rows.values()
+            ]
+            await self._apply_endings(conn, now, late, reconcile_outcome="expired")
+            log.info(
+                "host.reconciled",
+                host_id=session.host_id,
+                generation=session.generation,
+                confirmed=len(confirmed),
+                discarded=len(verdicts) - len(confirmed),
+                lost=len(lost) + len(late),
+            )
+            return ReconcileReport(
+                generation=session.generation,
+                verdicts=verdicts,
+                lost=[x.expired() for x in (*lost, *late)],
+            )
+
+        return await self._tx("reconcile", run)
+
+    @staticmethod
+    def _reconcile_reason(
+        row: RowMapping | None, session: Session, entry: JournalEntry, now: datetime
+    ) -> str:
+        if row is None:
+            return "unknown"
+        if row["a_host_id"] != session.host_id:
+            return "foreign"
+        if row["attempt"] != entry.attempt:
+            return "stale_attempt"
+        if not matches(entry.lease_token, row["a_token_hash"]):
+            return "wrong_lease"
+        if row["status"] in TERMINAL_STATES:
+            return "terminal"
+        if row["status"] not in _LEASED:
+            return "not_active"
+        if not Repository._deadline(row) > now:
+            return "expired"
+        return "confirmed"
 
     # --- users and projections -----------------------------------------------------
     async def add_user(self, name: str, *, platform_admin: bool = False) -> str:
-        """Returns the raw user token once."""
-        raise NotImplementedError
+        """Returns the raw user token once. ``Conflict`` if the name is taken."""
+        _check_str(name, "name", max_len=128)
+        if not isinstance(platform_admin, bool):
+            raise Invalid("platform_admin must be a boolean", field="platform_admin")
+        token = new_token()
+
+        async def run(conn: AsyncConnection, now: datetime) -> str:
+            inserted = (
+                await conn.execute(
+                    pg_insert(users)
+                    .values(
+                        name=name,
+                        token_hash=hash_secret(token),
+                        platform_admin=platform_admin,
+                        created_at=now,
+                    )
+                    .on_conflict_do_nothing()
+                    .returning(users.c.name)
+                )
+            ).first()
+            if inserted is None:
+                raise Conflict("user exists", reason="exists", name=name)
+            return token
+
+        return await self._tx("add_user", run)
 
     async def add_project(self, name: str, *, owner: str, admins: Sequence[str] = ()) -> None:
-        raise NotImplementedError
+        """``Conflict`` if it exists; ``NotFound(field='owner'|'admins')`` for an
+        unknown user."""
+        _check_str(name, "name", max_len=128)
+        _check_str(owner, "owner", max_len=128)
+        if isinstance(admins, str) or not all(isinstance(a, str) for a in admins):
+            raise Invalid("admins must be a sequence of user names", field="admins")
+        admin_set = set(admins)
+
+        async def run(conn: AsyncConnection, now: datetime) -> None:
+            await self._require_names(conn, users, {owner}, "owner")
+            await self._require_names(conn, users, admin_set, "admins")
+            inserted = (
+                await conn.execute(
+                    pg_insert(projects)
+                    .values(name=name, owner=owner, created_at=now)
+                    .on_conflict_do_nothing()
+                    .returning(projects.c.name)
+                )
+            ).first()
+            if inserted is None:
+                raise Conflict("project exists", reason="exists", name=name)
+            if admin_set:
+                await conn.execute(
+                    project_admins.insert(),
+                    [{"project": name, "user_name": a} for a in sorted(admin_set)],
+                )
+
+        await self._tx("add_project", run)
 
     async def authenticate_user(self, token: str) -> User:
-        raise NotImplementedError
+        """``Unauthorized`` for an unknown token. The stored value is the SHA-256 of a
+        256-bit random token, so looking it up by hash leaks nothing useful."""
+        if not isinstance(token, str) or not token:
+            raise Unauthorized("invalid user token")
+
+        async def run(conn: AsyncConnection, now: datetime) -> User:
+            row = (
+                await conn.execute(
+                    sa.select(users.c.name, users.c.platform_admin).where(
+                        users.c.token_hash == hash_secret(token)
+                    )
+                )
+            ).first()
+            if row is None:
+                raise Unauthorized("invalid user token")
+            return User(name=row.name, platform_admin=row.platform_admin)
+
+        return await self._tx("authenticate_user", run)
+
+    @staticmethod
+    def _visible(user: User) -> sa.ColumnElement[bool]:
+        if user.platform_admin:
+            return sa.true()
+        return sa.or_(
+            tasks.c.owner == user.name,
+            tasks.c.project.in_(sa.select(projects.c.name).where(projects.c.owner == user.name)),
+            tasks.c.project.in_(
+                sa.select(project_admins.c.project).where(project_admins.c.user_name == user.name)
+            ),
+        )
+
+    async def _may_access(
+        self, conn: AsyncConnection, user: User, owner: str, project: str
+    ) -> bool:
+        if user.platform_admin or owner == user.name:
+            return True
+        role = (
+            await conn.execute(
+                sa.select(sa.literal(1))
+                .select_from(projects)
+                .where(
+                    projects.c.name == project,
+                    sa.or_(
+                        projects.c.owner == user.name,
+                        sa.exists().where(
+                            project_admins.c.project == project,
+                            project_admins.c.user_name == user.name,
+                        ),
+                    ),
+                )
+            )
+        ).first()
+        return role is not None
+
+    async def _authorize_task(self, conn: AsyncConnection, task_id: str, user: User) -> RowMapping:
+        row = (await conn.execute(sa.select(tasks).where(tasks.c.id == task_id))).mappings().first()
+        if row is None:
+            raise NotFound("no such task", task_id=task_id)
+        if not await self._may_access(conn, user, row["owner"], row["project"]):
+            raise Forbidden("not allowed to read this task", task_id=task_id)
+        return row
+
+    @staticmethod
+    def _task_summary(row: RowMapping) -> dict[str, Any]:
+        """The safe projection of a task row: no token hash, no session, no
+        credential ever (the columns are picked here, one by one)."""
+        return {
+            "id": row["id"],
+            "state": row["status"],
+            "kind": row["kind"],
+            "goal": row["goal"],
+            "workflow": row["workflow"],
+            "project": row["project"],
+            "owner": row["owner"],
+            "priority": row["priority"],
+            "attempt": row["attempt"],
+            "max_attempts": row["max_attempts"],
+            "retry_at": (
+                _iso(row["eligible_at"]) if row["status"] == TaskState.RETRYING.value else None
+            ),
+            "cancel": {
+                "requested": row["cancel_requested_at"] is not None,
+                "by": row["cancel_requested_by"],
+                "at": _iso(row["cancel_requested_at"]),
+            },
+            "result": row["result"],
+            "terminal_reason": row["terminal_reason"],
+            "reconcile": {
+                "outcome": row["reconcile_outcome"],
+                "at": _iso(row["reconciled_at"]),
+            },
+            "created_at": _iso(row["created_at"]),
+            "updated_at": _iso(row["updated_at"]),
+            "finished_at": _iso(row["finished_at"]),
+        }
 
     async def task_view(self, task_id: str, user: User) -> dict[str, Any]:
         """The safe projection of one task with its attempts (see ops JSON in the
         README). ``NotFound`` when missing, ``Forbidden`` without a role."""
-        raise NotImplementedError
+        tid = _check_task_id(task_id)
+        _check_user(user)
+
+        async def run(conn: AsyncConnection, now: datetime) -> dict[str, Any]:
+            row = await self._authorize_task(conn, tid, user)
+            view = self._task_summary(row)
+            history = (
+                await conn.execute(
+                    sa.select(
+                        attempts.c.number,
+                        attempts.c.host_id,
+                        attempts.c.device_id,
+                        attempts.c.lease_id,
+                        attempts.c.assigned_at,
+                        attempts.c.claimed_at,
+                        attempts.c.acked_at,
+                        attempts.c.lease_expires_at,
+                        attempts.c.ended_at,
+                        attempts.c.end_reason,
+                    )
+                    .where(attempts.c.task_id == tid)
+                    .order_by(attempts.c.number)
+                )
+            ).all()
+            view["attempts"] = [
+                {
+                    "number": a.number,
+                    "host_id": a.host_id,
+                    "device_id": a.device_id,
+                    "lease_id": a.lease_id,
+                    "assigned_at": _iso(a.assigned_at),
+                    "claimed_at": _iso(a.claimed_at),
+                    "acked_at": _iso(a.acked_at),
+                    "started_at": _iso(a.claimed_at),
+                    "lease_expires_at": _iso(a.lease_expires_at),
+                    "ended_at": _iso(a.ended_at),
+                    "end_reason": a.end_reason,
+                }
+                for a in history
+            ]
+            return view
+
+        return await self._tx("task_view", run)
 
     async def list_tasks(
-        self, user: User, *, states: Sequence[str] = (), host_id: str | None = None,
+        self,
+        user: User,
+        *,
+        states: Sequence[str] = (),
+        host_id: str | None = None,
         limit: int = 100,
     ) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """Tasks the user may see, newest first; ``states`` filters by state and
+        ``host_id`` by the host of the current attempt."""
+        _check_user(user)
+        if isinstance(states, str):
+            states = [states]
+        try:
+            wanted = [TaskState(s).value for s in states]
+        except ValueError:
+            raise Invalid("unknown task state", field="states") from None
+        if host_id is not None and not isinstance(host_id, str):
+            raise Invalid("host_id must be a string", field="host_id")
+        _check_int(limit, "limit", 1, 10_000)
+
+        async def run(conn: AsyncConnection, now: datetime) -> list[dict[str, Any]]:
+            stmt = sa.select(tasks).where(self._visible(user))
+            if wanted:
+                stmt = stmt.where(tasks.c.status.in_(wanted))
+            if host_id is not None:
+                stmt = stmt.where(
+                    sa.exists().where(
+                        attempts.c.task_id == tasks.c.id,
+                        attempts.c.number == tasks.c.attempt,
+                        attempts.c.host_id == host_id,
+                    )
+                )
+            rows = (
+                (await conn.execute(stmt.order_by(tasks.c.seq.desc()).limit(limit)))
+                .mappings()
+                .all()
+            )
+            return [self._task_summary(r) for r in rows]
+
+        return await self._tx("list_tasks", run)
 
     async def list_hosts(self) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        async def run(conn: AsyncConnection, now: datetime) -> list[dict[str, Any]]:
+            count = (
+                sa.select(sa.func.count())
+                .where(devices.c.host_id == hosts.c.host_id)
+                .scalar_subquery()
+            )
+            rows = (
+                await conn.execute(
+                    sa.select(
+                        hosts.c.host_id,
+                        hosts.c.last_seen,
+                        hosts.c.session_generation,
+                        hosts.c.revoked_at,
+                        _live_host(now, self.timings.liveness_s).label("live"),
+                        count.label("devices"),
+                    ).order_by(hosts.c.host_id)
+                )
+            ).all()
+            return [
+                {
+                    "host_id": r.host_id,
+                    "live": bool(r.live),
+                    "last_seen": _iso(r.last_seen),
+                    "session_generation": r.session_generation,
+                    "revoked": r.revoked_at is not None,
+                    "devices": r.devices,
+                }
+                for r in rows
+            ]
+
+        return await self._tx("list_hosts", run)
 
     async def list_devices(self) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        async def run(conn: AsyncConnection, now: datetime) -> list[dict[str, Any]]:
+            rows = (
+                await conn.execute(
+                    sa.select(
+                        devices.c.host_id,
+                        devices.c.device_id,
+                        devices.c.state,
+                        devices.c.capabilities,
+                        device_reservations.c.task_id,
+                    )
+                    .outerjoin(
+                        device_reservations,
+                        sa.and_(
+                            device_reservations.c.host_id == devices.c.host_id,
+                            device_reservations.c.device_id == devices.c.device_id,
+                        ),
+                    )
+                    .order_by(devices.c.host_id, devices.c.device_id)
+                )
+            ).all()
+            return [
+                {
+                    "host_id": r.host_id,
+                    "device_id": r.device_id,
+                    "state": r.state,
+                    "capabilities": r.capabilities,
+                    "task_id": r.task_id,
+                }
+                for r in rows
+            ]
+
+        return await self._tx("list_devices", run)
 
     # --- logs and artifacts (their own channels; never on the job path) -------------
+    async def _own_attempt(
+        self, conn: AsyncConnection, session: Session, task_id: str, attempt: int
+    ) -> None:
+        await self._check_session_row(conn, session)
+        row = (
+            await conn.execute(
+                sa.select(attempts.c.host_id).where(
+                    attempts.c.task_id == task_id, attempts.c.number == attempt
+                )
+            )
+        ).first()
+        if row is None:
+            exists = (
+                await conn.execute(sa.select(tasks.c.id).where(tasks.c.id == task_id))
+            ).first()
+            if exists is None:
+                raise NotFound("no such task", task_id=task_id)
+            raise NotFound("no such attempt", task_id=task_id, attempt=attempt)
+        if row.host_id != session.host_id:
+            raise Forbidden("the attempt belongs to another host", task_id=task_id)
+
     async def append_logs(
         self, session: Session, task_id: str, attempt: int, first_seq: int, lines: Sequence[str]
     ) -> int:
         """Store log lines of an attempt the host owns (any state: logs may trail the
         result). Duplicate (task, attempt, seq) lines are ignored (retries are safe).
         Returns the number of new lines. ``Forbidden`` for another host's attempt."""
-        raise NotImplementedError
+        _check_session(session)
+        tid = _check_task_id(task_id)
+        _check_int(attempt, "attempt", 1, MAX_INT32)
+        _check_int(first_seq, "first_seq", 0, 2**62)
+        if isinstance(lines, str) or not isinstance(lines, Sequence) or len(lines) > 10_000:
+            raise Invalid("lines must be a sequence of at most 10000 strings", field="lines")
+        for line in lines:
+            _check_str(line, "lines", max_len=65536, empty=True)
+        if not lines:
+            return 0
+
+        async def run(conn: AsyncConnection, now: datetime) -> int:
+            await self._own_attempt(conn, session, tid, attempt)
+            seqs = list(range(first_seq, first_seq + len(lines)))
+            r = _unnest("r", seq=(sa.BigInteger, seqs), line=(sa.Text, list(lines)))
+            inserted = await conn.execute(
+                pg_insert(log_lines)
+                .from_select(
+                    ["task_id", "attempt", "seq", "ts", "line"],
+                    sa.select(
+                        sa.cast(sa.literal(tid), UUIDT),
+                        sa.literal(attempt, sa.Integer),
+                        r.c.seq,
+                        sa.literal(now, sa.DateTime(timezone=True)),
+                        r.c.line,
+                    ),
+                )
+                .on_conflict_do_nothing()
+                .returning(log_lines.c.id)
+            )
+            return len(inserted.all())
+
+        return await self._tx("append_logs", run)
 
     async def read_logs(
         self, task_id: str, user: User, *, after_id: int = 0, limit: int = 1000
     ) -> list[dict[str, Any]]:
         """Lines in order (id, attempt, seq, ts, line), authorized like task_view."""
-        raise NotImplementedError
+        tid = _check_task_id(task_id)
+        _check_user(user)
+        _check_int(after_id, "after_id", 0, 2**63 - 1)
+        _check_int(limit, "limit", 1, 100_000)
+
+        async def run(conn: AsyncConnection, now: datetime) -> list[dict[str, Any]]:
+            await self._authorize_task(conn, tid, user)
+            rows = (
+                await conn.execute(
+                    sa.select(
+                        log_lines.c.id,
+                        log_lines.c.attempt,
+                        log_lines.c.seq,
+                        log_lines.c.ts,
+                        log_lines.c.line,
+                    )
+                    .where(log_lines.c.task_id == tid, log_lines.c.id > after_id)
+                    .order_by(log_lines.c.id)
+                    .limit(limit)
+                )
+            ).all()
+            return [
+                {"id": r.id, "attempt": r.attempt, "seq": r.seq, "ts": _iso(r.ts), "line": r.line}
+                for r in rows
+            ]
+
+        return await self._tx("read_logs", run)
 
     async def record_artifact(
-        self, session: Session, task_id: str, attempt: int, *, name: str, size: int,
-        sha256: str, object_name: str,
+        self,
+        session: Session,
+        task_id: str,
+        attempt: int,
+        *,
+        name: str,
+        size: int,
+        sha256: str,
+        object_name: str,
     ) -> None:
-        raise NotImplementedError
+        """Record an uploaded artifact of an attempt the host owns. Recording the same
+        (name, size, sha256) again is a no-op; a different one under the same name is
+        ``Conflict``."""
+        _check_session(session)
+        tid = _check_task_id(task_id)
+        _check_int(attempt, "attempt", 1, MAX_INT32)
+        _check_str(name, "name", max_len=255)
+        _check_int(size, "size", 0, 2**62)
+        if not isinstance(sha256, str) or not SHA256_RE.match(sha256):
+            raise Invalid("sha256 must be 64 lowercase hex digits", field="sha256")
+        _check_str(object_name, "object_name", max_len=1024)
+
+        async def run(conn: AsyncConnection, now: datetime) -> None:
+            await self._own_attempt(conn, session, tid, attempt)
+            inserted = (
+                await conn.execute(
+                    pg_insert(artifacts)
+                    .values(
+                        task_id=tid,
+                        attempt=attempt,
+                        name=name,
+                        size=size,
+                        sha256=sha256,
+                        object_name=object_name,
+                        created_at=now,
+                    )
+                    .on_conflict_do_nothing()
+                    .returning(artifacts.c.name)
+                )
+            ).first()
+            if inserted is not None:
+                return
+            existing = (
+                await conn.execute(
+                    sa.select(artifacts.c.size, artifacts.c.sha256).where(
+                        artifacts.c.task_id == tid,
+                        artifacts.c.attempt == attempt,
+                        artifacts.c.name == name,
+                    )
+                )
+            ).first()
+            if existing is None or (existing.size, existing.sha256) != (size, sha256):
+                raise Conflict("a different artifact has this name", reason="exists", name=name)
+
+        await self._tx("record_artifact", run)
 
     async def list_artifacts(self, task_id: str, user: User) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """[{attempt, name, size, sha256, object_name, created_at}], authorized like
+        task_view. ``object_name`` is the control plane's object-store key."""
+        tid = _check_task_id(task_id)
+        _check_user(user)
+
+        async def run(conn: AsyncConnection, now: datetime) -> list[dict[str, Any]]:
+            await self._authorize_task(conn, tid, user)
+            rows = (
+                await conn.execute(
+                    sa.select(
+                        artifacts.c.attempt,
+                        artifacts.c.name,
+                        artifacts.c.size,
+                        artifacts.c.sha256,
+                        artifacts.c.object_name,
+                        artifacts.c.created_at,
+                    )
+                    .where(artifacts.c.task_id == tid)
+                    .order_by(artifacts.c.attempt, artifacts.c.name)
+                )
+            ).all()
+            return [
+                {
+                    "attempt": r.attempt,
+                    "name": r.name,
+                    "size": r.size,
+                    "sha256": r.sha256,
+                    "object_name": r.object_name,
+                    "created_at": _iso(r.created_at),
+                }
+                for r in rows
+            ]
+
+        return await self._tx("list_artifacts", run)
