@@ -140,6 +140,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 print("fleetlease up: stopped", flush=True)
         finally:
             if log_file is not None:
+                configure_logging(debug=settings.debug)
                 log_file.close()
     except (AlreadyRunning, Unreachable) as exc:
         raise CliError(exc.message, EXIT_UNAVAILABLE) from exc
