@@ -89,6 +89,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import structlog
+from nats.errors import Error as NatsError
 
 from hostagent.devices import DeviceManager, UnknownDevice
 from hostagent.journal import EntryState, Journal, JournalError, JournalRecord
@@ -718,7 +719,7 @@ class Agent:
             )
             try:
                 await client.connect()
-            except Exception as exc:
+            except (OSError, TimeoutError, NatsError) as exc:
                 await client.close()
                 delay = backoff.next_delay()
                 log.warning(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -35,6 +36,16 @@ M = TypeVar("M", bound=wire.Message)
 
 DEFAULT_TIMEOUT_S = 10.0
 ARTIFACT_CHUNK = 128 * 1024
+
+
+RECONNECT_WAIT_S = 1.0
+
+
+def _jittered_reconnect(servers: list[Any], info: dict[str, Any]) -> tuple[Any, float]:
+    """nats-py reconnect handler: the least-tried server, after a wait drawn
+    from [0.5, 1.5] x RECONNECT_WAIT_S so that reconnecting hosts spread out."""
+    server = min(servers, key=lambda s: s.reconnects) if servers else None
+    return server, RECONNECT_WAIT_S * (0.5 + random.random())
 
 
 class TransportError(wire.RemoteError):
@@ -110,9 +121,10 @@ class HostClient:
             "name": f"fleetlease-host-{self.host_id}-{channel.value}",
             "inbox_prefix": self.subjects.host_inbox_prefix(self.host_id).encode(),
             "max_reconnect_attempts": -1,
-            "reconnect_time_wait": 1.0,
-            # Many agents reconnecting at once spread out.
-            "reconnect_jitter": 0.5,
+            "reconnect_time_wait": RECONNECT_WAIT_S,
+            # Many agents reconnecting at once spread out (nats-py has no jitter
+            # option of its own; this handler replaces its fixed wait).
+            "reconnect_to_server_handler": _jittered_reconnect,
             "reconnected_cb": reconnected,
             "disconnected_cb": disconnected,
             "error_cb": on_error,
