@@ -120,7 +120,7 @@ async def bench(url: str, leases: int, seconds: float, devices_per_host: int) ->
                 if c is None:
                     return
                 assert isinstance(c, Claimed)
-                await _retry(lambda: cp.ack(s, c.task_id, c.attempt, c.lease_token))
+                await _retry(lambda c=c: cp.ack(s, c.task_id, c.attempt, c.lease_token))
                 claimed.append((s, c))
 
         await asyncio.gather(*(claim_all(s) for s in sessions))
