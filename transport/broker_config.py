@@ -317,3 +317,17 @@ def reload_server(pid: int | None = None, *, binary: str | None = None) -> None:
 def embedded_args(config_path: str | os.PathLike[str]) -> Sequence[str]:
     """``extra_args`` for ``ops.embedded.EmbeddedNats``."""
     return ["-c", str(config_path)]
+
+
+def secure_embedded_args(
+    state_dir: str | os.PathLike[str], *, tls: TlsFiles | None = None
+) -> list[str]:
+    """Keys (created once under ``state_dir/broker``) and the secure-mode config
+    (rewritten each start), as ``extra_args`` for ``ops.embedded.EmbeddedNats``.
+    The control plane started with ``ControlPlaneService(broker_security=True)``
+    on the same ``state_dir`` serves the callout for it."""
+    keys = BrokerKeys.load_or_create(Path(state_dir) / "broker")
+    path = write_config(
+        Path(state_dir) / "broker" / "nats-secure.conf", secure_config(keys, tls=tls)
+    )
+    return list(embedded_args(path))
