@@ -128,9 +128,7 @@ class System:
         running = RunningAgent(agent, asyncio.create_task(agent.run()), manager)
         self.agents.append(running)
         if wait:
-            await eventually(
-                self._started_or_failed(running), lambda started: started, timeout=30
-            )
+            await eventually(self._started_or_failed(running), lambda started: started, timeout=30)
             if running.task.done():
                 running.task.result()  # raise what stopped it
         return running
@@ -225,9 +223,7 @@ async def test_goal_and_workflow_tasks_run_to_done(
     )
     assert artifacts[0]["size"] == 1000
     # Nothing stays in the journal once results are acknowledged.
-    await eventually(
-        _journal_size(system.agent_dir("h1")), lambda n: n == 0, timeout=10
-    )
+    await eventually(_journal_size(system.agent_dir("h1")), lambda n: n == 0, timeout=10)
     assert running.agent.stats.results_reported == 2
 
 
@@ -240,3 +236,270 @@ def _journal_size(directory: Path) -> Callable[[], Awaitable[int]]:
         return await asyncio.to_thread(count)
 
     return probe
+
+
+# --- outcomes and the retry policy ---------------------------------------------------------
+
+
+async def test_failed_outcome_is_terminal_after_one_attempt(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    system = await make_system()
+    await system.start_agent("h1")
+    task_id = await system.submit({"duration_s": 0.01, "outcome": "failed"})
+
+    view = await system.wait_state(task_id, "failed")
+
+    assert view["attempt"] == 1
+    assert [a["end_reason"] for a in view["attempts"]] == ["failed"]
+
+
+async def test_retryable_outcome_is_retried_until_the_attempts_run_out(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    system = await make_system()
+    await system.start_agent("h1")
+    task_id = await system.submit(
+        {"duration_s": 0.01, "outcome": "retryable"},
+        retry=RetryPolicy(max_attempts=3, backoff_base_s=0.0),
+    )
+
+    view = await system.wait_state(task_id, "failed")
+
+    assert view["attempt"] == 3
+    assert [a["end_reason"] for a in view["attempts"]] == ["retryable_failure"] * 3
+
+
+async def test_a_crashing_runner_fails_the_task_without_stopping_the_agent(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    system = await make_system()
+    await system.start_agent("h1", devices=1)
+    crashed = await system.submit({"duration_s": 0.01, "outcome": "crash"})
+    after = await system.submit({"duration_s": 0.01})
+
+    assert (await system.wait_state(crashed, "failed"))["attempt"] == 1
+    await system.wait_state(after, "done")
+
+
+# --- cancellation and lease loss --------------------------------------------------------
+
+
+async def test_hanging_task_is_cancelled_by_a_user_cancel(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    system = await make_system(lease_s=1.5)
+    running = await system.start_agent("h1")
+    task_id = await system.submit({"outcome": "hang"})
+    await system.wait_state(task_id, "running")
+
+    with capture_logs() as logs:
+        await system.cp.cancel(task_id, ADMIN)
+        view = await system.wait_state(task_id, "cancelled")
+        await eventually(_journal_size(system.agent_dir("h1")), lambda n: n == 0, timeout=10)
+
+    assert view["attempt"] == 1
+    events = [e["event"] for e in logs if e.get("task_id") == task_id]
+    assert "cancel_requested" in events
+    reported = [e for e in logs if e["event"] == "result_reported" and e["task_id"] == task_id]
+    assert [e["outcome"] for e in reported] == ["cancelled"]
+    assert running.agent.stats.leases_lost == 0
+
+
+async def test_rejected_renewal_stops_the_runner_and_reports_nothing(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    from transport.subjects import Channel
+
+    system = await make_system(lease_s=1.5)
+    running = await system.start_agent("h1", devices=2)
+    task_id = await system.submit({"outcome": "hang"})
+    await system.wait_state(task_id, "running")
+    server = system.service.server  # type: ignore[union-attr]
+
+    with capture_logs() as logs:
+        # The jobs channel stalls: renewals do not get through, the lease expires.
+        server.stall(Channel.JOBS)
+        try:
+            await eventually(
+                lambda: system.view(task_id),
+                lambda v: v["attempts"][0]["end_reason"] == "lease_expired",
+                timeout=30,
+            )
+        finally:
+            server.unstall(Channel.JOBS)
+        # The next renewal is refused: the agent stops attempt 1 and drops it;
+        # the retry (attempt 2) then runs on this agent.
+        await eventually(
+            lambda: system.view(task_id),
+            lambda v: v["attempt"] == 2 and v["state"] == "running",
+            timeout=30,
+        )
+        await eventually(_lost(running.agent), lambda n: n >= 1, timeout=30)
+        await system.cp.cancel(task_id, ADMIN)
+        await system.wait_state(task_id, "cancelled")
+
+    lost = [e for e in logs if e["event"] == "lease_lost"]
+    assert [(e["task_id"], e["attempt"]) for e in lost] == [(task_id, 1)]
+    reported = [(e["task_id"], e["attempt"]) for e in logs if e["event"] == "result_reported"]
+    assert reported == [(task_id, 2)]
+
+
+def _lost(agent: Agent) -> Callable[[], Awaitable[int]]:
+    async def probe() -> int:
+        return agent.stats.leases_lost
+
+    return probe
+
+
+# --- parallelism ----------------------------------------------------------------------------
+
+
+class _Gate:
+    """A runner that records how many attempts run at once and waits for a
+    release, so that concurrency is observed, not inferred from timing."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.peak = 0
+        self.release = asyncio.Event()
+
+    def factory(self) -> Any:
+        gate = self
+
+        class Runner:
+            async def run(self, ctx: Any) -> Any:
+                from hostagent.runners import RunOutcome
+
+                gate.running += 1
+                gate.peak = max(gate.peak, gate.running)
+                try:
+                    await gate.release.wait()
+                finally:
+                    gate.running -= 1
+                return RunOutcome.done({"device": ctx.device_id})
+
+        return Runner
+
+
+async def test_devices_run_in_parallel_and_never_more_attempts_than_devices(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    system = await make_system()
+    gate = _Gate()
+    await system.add_host("h1")
+    manager = SimulatedDeviceManager(2, prefix="h1-dev")
+    agent = Agent(
+        system.config("h1"),
+        manager,
+        runners={"sim-goal": gate.factory(), "sim-workflow": gate.factory()},
+    )
+    system.agents.append(RunningAgent(agent, asyncio.create_task(agent.run()), manager))
+    ids = [await system.submit() for _ in range(5)]
+
+    async def running_count() -> int:
+        return gate.running
+
+    await eventually(running_count, lambda n: n == 2)
+    # Both devices are busy: the other three stay queued however long we look.
+    views = [await system.view(t) for t in ids]
+    assert sorted(v["state"] for v in views).count("running") == 2
+    gate.release.set()
+    for task_id in ids:
+        await system.wait_state(task_id, "done")
+    assert gate.peak == 2
+    devices = {(await system.view(t))["attempts"][0]["device_id"] for t in ids}
+    assert devices == {"h1-dev-0", "h1-dev-1"}
+
+
+# --- registration -------------------------------------------------------------------------
+
+
+async def test_host_b_with_host_a_credential_is_refused_and_b_is_untouched(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    from hostagent.agent import RegistrationRefused
+
+    system = await make_system()
+    credential_a = await system.add_host("host-a")
+    await system.add_host("host-b")
+    before = {h["host_id"]: h for h in await system.repo.list_hosts()}
+
+    manager = SimulatedDeviceManager(2, prefix="b")
+    agent = Agent(system.config("host-b", credential=credential_a), manager)
+    with pytest.raises(RegistrationRefused) as info:
+        await asyncio.wait_for(agent.run(), 30)
+
+    assert "host-b" in str(info.value) and "refused" in str(info.value)
+    assert credential_a not in str(info.value)
+    after = {h["host_id"]: h for h in await system.repo.list_hosts()}
+    assert after["host-b"] == before["host-b"]
+    assert after["host-b"]["devices"] == 0
+
+
+# --- sessions, restarts, shutdown -----------------------------------------------------------
+
+
+async def test_superseded_session_reregisters_reconciles_and_finishes_the_attempt(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    from transport.client import HostClient
+
+    system = await make_system(lease_s=3.0)
+    running = await system.start_agent("h1")
+    task_id = await system.submit({"duration_s": 2.0})
+    await system.wait_state(task_id, "running")
+
+    # Someone registers as h1 (same credential): the agent's session is dead.
+    other = HostClient(
+        nats_url=system.nats_url,
+        host_id="h1",
+        credential=system.credentials["h1"],
+        prefix=system.prefix,
+    )
+    await other.connect()
+    try:
+        await other.register()
+    finally:
+        await other.close()
+
+    view = await system.wait_state(task_id, "done")
+    assert view["attempt"] == 1
+    assert running.agent.stats.registrations >= 2
+    assert running.agent.stats.leases_lost == 0
+
+
+async def test_attempt_survives_a_control_plane_restart(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    system = await make_system(lease_s=6.0)
+    await system.start_agent("h1")
+    task_id = await system.submit({"duration_s": 1.5})
+    await system.wait_state(task_id, "running")
+
+    assert system.service is not None
+    await system.service.stop()
+    await system.start_service()
+
+    view = await system.wait_state(task_id, "done")
+    assert view["attempt"] == 1
+
+
+async def test_stop_lets_short_attempts_finish_and_hands_back_the_rest(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    system = await make_system()
+    running = await system.start_agent("h1", devices=2, grace_s=1.0)
+    short = await system.submit({"duration_s": 0.3})
+    hanging = await system.submit({"outcome": "hang"})
+    await system.wait_state(hanging, "running")
+
+    await running.stop()
+
+    assert (await system.wait_state(short, "done"))["attempt"] == 1
+    view = await system.view(hanging)
+    assert view["state"] in ("queued", "retrying")
+    assert view["attempts"][0]["end_reason"] == "retryable_failure"
+    assert running.agent.stats.handed_back == 1
+    assert await _journal_size(system.agent_dir("h1"))() == 0
+    assert view["result"] is None or HANDBACK_REASON in str(view["result"])
