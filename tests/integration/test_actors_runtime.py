@@ -545,3 +545,64 @@ async def test_stop_is_graceful_and_refuses_new_work(cp: ControlPlane, repo: Rep
     with pytest.raises(Unavailable):
         await cp.submit(spec())
     assert not [r for r in pykka.ActorRegistry.get_all() if r.is_alive()]
+
+
+# --- the event loop under load -----------------------------------------------------------------
+
+
+async def test_the_loop_stays_responsive_while_a_thousand_lease_asks_are_in_flight(
+    repo: Repository, engine: AsyncEngine
+) -> None:
+    cp = ControlPlane(repo, scheduler_interval_s=0.5, assign_batch=256)
+    await cp.start()
+    try:
+        hosts = [await SimHost.create(cp, repo, f"h{i}", n_devices=10) for i in range(10)]
+        await cp.submit_many([spec() for _ in range(100)])
+        await wait_until(lambda: cp.metrics["lease_actors"] == 100, timeout=60)
+
+        async def take_all(host: SimHost) -> list[Any]:
+            got = []
+            while (c := await host.claim()) is not None:
+                await host.ack(c)
+                got.append((host, c))
+            return got
+
+        leases = [x for xs in await asyncio.gather(*(take_all(h) for h in hosts)) for x in xs]
+        assert len(leases) == 100
+
+        # 1000 asks: ten renewals for each of the 100 Lease actors. The first one
+        # of each is parked inside its actor (before its commit), the other nine
+        # wait in that actor's inbox.
+        gate = threading.Event()
+        failpoints.arm(failpoints.LEASE_BEFORE_COMMIT, pause=gate)
+        renewals = [asyncio.create_task(h.renew(c)) for h, c in leases * 10]
+        await wait_until(
+            lambda: (
+                failpoints.paused(failpoints.LEASE_BEFORE_COMMIT) == 100
+                and cp.metrics["inflight"] == 1000
+            ),
+            timeout=60,
+            what="1000 renewals in flight",
+        )
+        # Heartbeats (real transactions) and small coroutines on the same loop
+        # still complete while all of them are in flight.
+        ticks = 0
+
+        async def small() -> None:
+            nonlocal ticks
+            for _ in range(100):
+                await asyncio.sleep(0)
+                ticks += 1
+
+        await asyncio.wait_for(
+            asyncio.gather(*(h.heartbeat() for h in hosts), *(small() for _ in range(10))), 30
+        )
+        assert ticks == 1000
+        assert not any(r.done() for r in renewals)
+        assert cp.metrics["inflight"] == 1000
+        gate.set()
+        failpoints.disarm(failpoints.LEASE_BEFORE_COMMIT)
+        done = await asyncio.wait_for(asyncio.gather(*renewals), 60)
+        assert all(s.state is TaskState.RUNNING for s in done)
+    finally:
+        await cp.stop()
