@@ -672,3 +672,20 @@ async def test_secure_embedded_args_and_service_option_work_together(
     finally:
         await service.stop()
         await asyncio.to_thread(server.stop)
+
+
+async def test_the_secured_connect_options_also_work_on_an_open_server(
+    nats_url: str, subject_prefix: str
+) -> None:
+    """Agents and the CLI can always pass them: an open server sends no nonce and
+    ignores the identity token, so no flag is needed to tell the modes apart."""
+    subjects = Subjects(subject_prefix)
+    host = await connect(nats_url, **host_connect_options("h1", new_token()))
+    user = await connect(nats_url, **user_connect_options("alice", new_token(), subjects))
+    try:
+        await host.nc.flush()
+        await user.nc.flush()
+        assert host.nc.is_connected and user.nc.is_connected
+    finally:
+        await host.nc.close()
+        await user.nc.close()
