@@ -918,8 +918,14 @@ class Agent:
 
     # --- heartbeat ----------------------------------------------------------------------
     def _snapshot(self) -> list[wire.Device]:
+        # While stopping, every device is reported offline so that the control
+        # plane assigns nothing more to this host.
         return [
-            wire.Device(device_id=d.device_id, state=d.state, capabilities=dict(d.capabilities))
+            wire.Device(
+                device_id=d.device_id,
+                state="offline" if self._stopping.is_set() else d.state,
+                capabilities=dict(d.capabilities),
+            )
             for d in self.devices.snapshot()
         ]
 
@@ -1525,6 +1531,8 @@ class Agent:
             self._dispatcher.cancel()
             await asyncio.gather(self._dispatcher, return_exceptions=True)
         await self._cancel_polls()
+        if self._ready.is_set():
+            await self._send_heartbeat()  # every device offline from now on
         pending = [a.task for a in self._attempts.values() if a.task is not None]
         if pending:
             await asyncio.wait(pending, timeout=cfg.grace_s)
