@@ -249,6 +249,11 @@ class Server:
         self.artifact_bucket = f"{ARTIFACT_BUCKET}-{prefix_id}"
         self.staging_stream = f"FLEETLEASE_UPLOADS_{prefix_id}"
         self._staging_root = f"{self.subjects.prefix}._uploads"
+        #: Cross-process long-poll wakeups (see ``_on_event``).
+        self._wake_subject = f"{self.subjects.prefix}._wake"
+        self._instance = os.urandom(8)
+        self._wake_pending: set[str] = set()
+        self._wake_sub: Subscription | None = None
 
     # --- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -281,6 +286,11 @@ class Server:
                 assert state.nc is not None
                 await state.nc.flush()
             self._events_nc = self._channels[Channel.OPS].nc
+            jobs_nc = self._channels[Channel.JOBS].nc
+            assert jobs_nc is not None
+            # Every process hears every wake notice (no queue group).
+            self._wake_sub = await jobs_nc.subscribe(self._wake_subject, cb=self._on_wake_notice)
+            await jobs_nc.flush()
             self.cp.add_listener(self._on_event)
         except BaseException:
             await self.stop(grace_s=0)
@@ -875,8 +885,44 @@ class Server:
             except (TypeError, ValueError):
                 log.warning("event_not_encodable")
                 continue
-            task = asyncio.ensure_future(nc.publish(subject, payload))
-            task.add_done_callback(_ignore_result)
+            _background(nc.publish(subject, payload))
+            if isinstance(event, dict) and event.get("state") == "assigned":
+                host = event.get("host_id")
+                if isinstance(host, str):
+                    self._wake_elsewhere(host)
+
+    # A host's long-poll may be parked in another ``fleetlease serve`` process
+    # than the one whose Scheduler made the assignment: tell the others. One
+    # notice per loop iteration, whatever the batch size.
+    def _wake_elsewhere(self, host_id: str) -> None:
+        if not self._wake_pending:
+            asyncio.get_running_loop().call_soon(self._send_wake_notice)
+        self._wake_pending.add(host_id)
+
+    def _send_wake_notice(self) -> None:
+        hosts, self._wake_pending = sorted(self._wake_pending), set()
+        nc = self._channels[Channel.JOBS].nc
+        if not hosts or nc is None or self._stopping:
+            return
+        payload = msgpack.packb({"o": self._instance, "h": hosts}, use_bin_type=True)
+        _background(nc.publish(self._wake_subject, payload))
+
+    async def _on_wake_notice(self, msg: Msg) -> None:
+        try:
+            notice = msgpack.unpackb(msg.data, raw=False)
+            origin, hosts = notice["o"], notice["h"]
+        except Exception:
+            return
+        if origin == self._instance or not isinstance(hosts, list):
+            return
+        wake = getattr(self.cp, "wake_hosts", None) or getattr(self.cp, "_wake_hosts", None)
+        if callable(wake):
+            wake([h for h in hosts if isinstance(h, str)])
+
+
+def _background(coro: Awaitable[None]) -> None:
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(_ignore_result)
 
 
 def _ignore_result(task: asyncio.Future[None]) -> None:
