@@ -18,14 +18,16 @@ Decisions worth knowing when coding against this module:
   A message exactly at the deadline loses (``deadline > now`` is required).
 * Fencing order for host messages: session current and host not revoked
   (``Unauthorized``), task exists (``NotFound``), the referenced attempt exists
-  (else ``Conflict`` reason ``unknown_attempt``), it belongs to the caller's host
-  (``Forbidden``), it is the current attempt (``Conflict`` ``stale_attempt``), the
-  lease token matches (``Conflict`` ``wrong_lease``), the attempt is bound to the
-  caller's session generation (``Conflict`` ``session_not_bound``: after a new
-  registration, ``reconcile`` rebinds it), the task is not terminal (``Gone``),
-  the state accepts the message (``Conflict`` ``wrong_state``), the deadline has not
-  passed (``Gone`` for claim and ack; ``Conflict`` ``lease_expired`` for renew,
-  progress and result). Every error carries ``reason`` in ``fields``.
+  (else ``Conflict`` reason ``unknown_attempt``), the lease token matches
+  (``Conflict`` ``wrong_lease``; claim has no token yet), the attempt belongs to
+  the caller's host (``Forbidden``), it is the current attempt (``Conflict``
+  ``stale_attempt``), it is bound to the caller's session generation (``Conflict``
+  ``session_not_bound``: after a new registration ``reconcile`` rebinds it), the
+  task is not terminal (``Gone``), the state accepts the message (``Conflict``
+  ``wrong_state``), the deadline has not passed (``Gone`` for claim and ack;
+  ``Conflict`` ``lease_expired`` for renew, progress and result). Every error
+  carries ``reason`` in ``fields``. A result replay (same attempt and fingerprint
+  as the recorded one) needs a current session, the host and the token only.
 * A zero backoff base sends an expired or retryably failed task straight back to
   ``queued``; otherwise ``retrying`` until ``eligible_at``. A pending cancel turns
   any expiry, loss or retryable failure into ``cancelled``.
@@ -773,11 +775,14 @@ class Repository:
     @staticmethod
     def _fence_lease(row: RowMapping, session: Session, attempt: int, lease_token: str) -> None:
         """Checks 2-5 of model.md "Fencing" except the deadline (check 1 is done by
-        ``_load``)."""
-        Repository._fence_owner(row, session, attempt)
+        ``_load``). The token is checked first: a lease the caller does not hold is
+        a conflict whoever owns it (host-agent.md "Lease is stale or foreign"); valid
+        lease evidence presented by another host is forbidden (durable-scheduling.md
+        "Invalid endpoint or session")."""
         tid = row["task_id"]
         if not matches(lease_token, row["a_token_hash"]):
             raise Conflict("lease token does not match", reason="wrong_lease", task_id=tid)
+        Repository._fence_owner(row, session, attempt)
         if row["a_generation"] != session.generation:
             raise Conflict(
                 "the attempt is bound to an older session: reconcile first",
@@ -1252,10 +1257,10 @@ class Repository:
 
         async def run(conn: AsyncConnection, now: datetime) -> ResultRecord:
             row = await self._load(conn, session, tid, attempt)
-            if row["a_host_id"] != session.host_id:
-                raise Forbidden("the attempt belongs to another host", task_id=tid)
             if not matches(lease_token, row["a_token_hash"]):
                 raise Conflict("lease token does not match", reason="wrong_lease", task_id=tid)
+            if row["a_host_id"] != session.host_id:
+                raise Forbidden("the attempt belongs to another host", task_id=tid)
             if row["result_attempt"] == attempt:
                 return self._replay(row, fingerprint)
             self._fence_lease(row, session, attempt, lease_token)

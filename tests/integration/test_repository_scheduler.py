@@ -4,6 +4,8 @@ terminal results fenced by the active lease."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from persistence.errors import Conflict, Gone
@@ -25,7 +27,7 @@ async def test_scheduler_assigns_an_idle_device_in_one_transaction(world: World)
     (a,) = await world.repo.assign()
 
     assert (a.task_id, a.attempt, a.host_id, a.device_id) == (task_id, 1, "h1", "d1")
-    assert a.claim_deadline == world.clock.now() + __import__("datetime").timedelta(seconds=30)
+    assert a.claim_deadline == world.clock.now() + timedelta(seconds=30)
     row = await world.task_row(task_id)
     assert (row["status"], row["attempt"]) == ("assigned", 1)
     (attempt,) = await world.attempt_rows(task_id)
@@ -141,8 +143,8 @@ async def test_a_retrying_task_is_not_assigned_before_its_eligible_time(world: W
     world.clock.advance(31)
     (expired,) = await world.repo.expire_due()
     assert expired.new_state is TaskState.RETRYING
-    assert expired.retry_at == world.clock.now() + __import__("datetime").timedelta(seconds=10)
-    await world.repo.heartbeat(session, [DeviceSnapshot(device_id="d1")])
+    assert expired.retry_at == world.clock.now() + timedelta(seconds=10)
+    await world.beat(session)
 
     world.clock.advance(9.999)
     assert await world.repo.assign() == []
@@ -290,7 +292,7 @@ async def test_backoff_is_exponential_and_capped(world: World) -> None:
     delays = []
     for _ in range(3):
         world.clock.advance(100)
-        await world.repo.heartbeat(session, [DeviceSnapshot(device_id="d1")])
+        await world.beat(session)
         (a,) = await world.repo.assign()
         assert a.task_id == task_id
         world.clock.advance(30)
@@ -310,9 +312,7 @@ async def test_next_deadline_is_the_earliest_active_deadline_or_retry_time(
     assert await world.repo.next_deadline() == a.claim_deadline
     world.clock.advance(30)
     await world.repo.expire_due()
-    assert await world.repo.next_deadline() == world.clock.now() + __import__("datetime").timedelta(
-        seconds=7
-    )
+    assert await world.repo.next_deadline() == world.clock.now() + timedelta(seconds=7)
 
 
 async def test_active_attempts_lists_every_in_flight_attempt(world: World) -> None:
@@ -355,7 +355,7 @@ async def test_superseded_lease_reports_completion_and_is_rejected(world: World)
     old = await world.running(session, base=0)
     world.clock.advance(30)
     await world.repo.expire_due()
-    await world.repo.heartbeat(session, [DeviceSnapshot(device_id="d1")])
+    await world.beat(session)
     (new,) = await world.repo.assign()
     before = await world.snapshot()
 

@@ -53,11 +53,19 @@ class World:
         if host_id not in self.credentials:
             self.credentials[host_id] = await self.repo.add_host(host_id)
         session = await self.repo.register_session(host_id, self.credentials[host_id])
+        await self.beat(session, *devices)
+        return session
+
+    async def beat(self, session: Session, *devices: str | DeviceSnapshot) -> None:
+        """A heartbeat; plain device ids get the capability ``host=<host id>`` so that
+        ``assigned`` can pin a task to one host (default: one idle device "d1")."""
         snaps = [
-            d if isinstance(d, DeviceSnapshot) else DeviceSnapshot(device_id=d) for d in devices
+            d
+            if isinstance(d, DeviceSnapshot)
+            else DeviceSnapshot(device_id=d, capabilities={"host": session.host_id})
+            for d in (devices or ("d1",))
         ]
         await self.repo.heartbeat(session, snaps)
-        return session
 
     async def submit(
         self,
@@ -87,6 +95,8 @@ class World:
         )
 
     async def assigned(self, session: Session, **submit: Any) -> Assignment:
+        """Submit a task pinned to this host's devices and assign it."""
+        submit.setdefault("selector", {"host": session.host_id})
         task_id = await self.submit(**submit)
         (assignment,) = [a for a in await self.repo.assign() if a.task_id == task_id]
         assert assignment.host_id == session.host_id
