@@ -40,6 +40,11 @@ async def _chaos(engine: AsyncEngine, clock: ManualClock, cfg: ChaosConfig) -> N
     finally:
         await cp.stop()
     await verify(engine, log, ids, cfg)
+    print(
+        f"chaos: kills={dict(log.kills)} lost_replies={log.lost_replies} "
+        f"abandoned={log.abandoned} replays={sum(r.replayed for r in log.records)} "
+        f"metrics={cp.metrics}"
+    )
     # The run exercised what it claims to.
     restarts = cp.metrics
     assert sum(log.kills.values()) > 0
