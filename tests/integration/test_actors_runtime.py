@@ -19,6 +19,7 @@ from actors.runtime import ControlPlane
 from persistence.clock import ManualClock
 from persistence.errors import Conflict, Gone, Invalid, NotFound, Unauthorized, Unavailable
 from persistence.model import (
+    JournalEntry,
     LeaseTimings,
     Outcome,
     RetryPolicy,
@@ -337,6 +338,49 @@ async def test_a_stale_attempts_report_does_not_change_the_newer_attempt(
     assert (row["status"], row["attempt"]) == ("dispatched", 2)
     await host.ack(new)
     assert (await host.report(new)).state is TaskState.DONE
+
+
+# --- reconnect and reconcile ----------------------------------------------------------------
+
+
+async def test_a_reconnected_host_that_reconciles_its_attempt_keeps_it(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec())
+    claimed = await _running(host, engine, task_id)
+    host.session = await cp.register("h1", host.credential)
+    report = await cp.reconcile(
+        host.s,
+        [JournalEntry(task_id=task_id, attempt=1, lease_token=claimed.lease_token)],
+    )
+    assert [v.verdict for v in report.verdicts] == ["confirmed"] and not report.lost
+    assert (await host.renew(claimed)).state is TaskState.RUNNING
+    assert (await host.report(claimed)).state is TaskState.DONE
+
+
+async def test_an_attempt_a_reconnected_host_no_longer_holds_is_ended_and_retried(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine, events: list[dict[str, Any]]
+) -> None:
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec(retry=RetryPolicy(max_attempts=3, backoff_base_s=0)))
+    await _running(host, engine, task_id)
+    host.session = await cp.register("h1", host.credential)
+    report = await cp.reconcile(host.s, [])
+    assert [(e.task_id, e.attempt) for e in report.lost] == [(task_id, 1)]
+    assert [e["state"] for e in events if e["task_id"] == task_id][-1] in (
+        "queued",
+        "retrying",
+    )
+
+    async def second() -> bool:
+        row = (await task_rows(engine))[task_id]
+        return row["attempt"] == 2 and row["status"] == "assigned"
+
+    await wait_until(second, what="attempt 2 assigned")
+    await wait_until(lambda: _lease_attempt(cp, task_id) == 2, what="the attempt-2 Lease actor")
+    again = await host.claim()
+    assert again is not None and again.attempt == 2
 
 
 # --- bad input -----------------------------------------------------------------------------------
