@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -502,3 +503,101 @@ async def test_stop_lets_short_attempts_finish_and_hands_back_the_rest(
     assert view["attempts"][0]["end_reason"] == "retryable_failure"
     assert running.agent.stats.handed_back == 1
     assert await _journal_size(system.agent_dir("h1"))() == 0
+
+
+def _spawn_nats(directory: Path, port: int) -> subprocess.Popen[bytes]:
+    from ops.embedded import nats_server_binary
+
+    directory.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-l", str(directory / "log")],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+async def _nats_on_port(directory: Path, port: int) -> subprocess.Popen[bytes]:
+    """A nats-server on exactly ``port`` (nats-server reuses the address, so a
+    port in TIME_WAIT after the previous server is fine)."""
+    proc = await asyncio.to_thread(_spawn_nats, directory, port)
+
+    async def accepting() -> bool:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            return False
+        writer.close()
+        await writer.wait_closed()
+        return True
+
+    await eventually(accepting, bool, timeout=15)
+    return proc
+
+
+async def test_attempt_survives_a_nats_restart_and_the_agent_reregisters(
+    db_url: str, subject_prefix: str, state_dir: Path, tmp_path: Path
+) -> None:
+    from ops.embedded import free_port
+
+    port = free_port()
+    nats = await _nats_on_port(tmp_path / "nats1", port)
+    system = System(
+        db_url,
+        f"nats://127.0.0.1:{port}",
+        subject_prefix,
+        state_dir,
+        LeaseTimings(claim_s=10, ack_s=10, lease_s=10, liveness_s=30),
+    )
+    try:
+        await system.start_service()
+        await system.repo.add_user("admin", platform_admin=True)
+        await system.repo.add_project("default", owner="admin")
+        running = await system.start_agent("h1", devices=1)
+        task_id = await system.submit({"duration_s": 2.0})
+        await system.wait_state(task_id, "running")
+
+        with capture_logs() as logs:
+            nats.kill()
+            await asyncio.to_thread(nats.wait)
+            nats = await _nats_on_port(tmp_path / "nats2", port)
+            view = await system.wait_state(task_id, "done", timeout=60)
+            await eventually(_journal_size(system.agent_dir("h1")), lambda n: n == 0, timeout=10)
+
+        assert view["attempt"] == 1
+        registered = [e for e in logs if e["event"] == "agent_registered"]
+        assert registered and registered[0]["reason"] == "nats_reconnected"
+        reconciled = [e for e in logs if e["event"] == "reconcile_done"]
+        assert reconciled and reconciled[0]["confirmed"] == 1
+        assert running.agent.stats.leases_lost == 0
+        reported = [e for e in logs if e["event"] == "result_reported"]
+        assert [e["task_id"] for e in reported] == [task_id]
+    finally:
+        for agent in system.agents:
+            agent.agent.stop()
+        for agent in system.agents:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(agent.task, 60)
+        if system.service is not None:
+            await system.service.stop()
+        nats.kill()
+        await asyncio.to_thread(nats.wait)
+
+
+async def test_logs_never_carry_the_credential_or_lease_tokens(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    system = await make_system()
+    with capture_logs() as logs:
+        running = await system.start_agent("h1")
+        task_id = await system.submit({"duration_s": 0.05, "log_lines": 2})
+        await system.wait_state(task_id, "done")
+        await running.stop()
+
+    [attempt] = [e for e in logs if e["event"] == "assignment_received"]
+    assert attempt["task_id"] == task_id
+    credential = system.credentials["h1"]
+    text = repr(logs)
+    assert credential not in text
+    # Lease tokens are never logged under any key.
+    assert not [e for e in logs if any("token" in k for k in e)]
