@@ -24,6 +24,7 @@ of attempt n+1 tells the actor of attempt n (if still alive) to end.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -101,11 +102,15 @@ class Supervisor:
         """Blocking (run it in an executor): graceful stop, each actor finishing
         the messages already in its inbox."""
         futures = [ref.stop(block=False) for ref in refs]
+        deadline = time.monotonic() + timeout
+        stuck = 0
         for fut in futures:
             try:
-                fut.get(timeout=timeout)
-            except Exception as exc:  # a stuck actor must not stop the shutdown
-                log.warning("supervisor.stop_timeout", error=repr(exc))
+                fut.get(timeout=max(deadline - time.monotonic(), 0.001))
+            except Exception:  # a stuck actor must not stop the shutdown
+                stuck += 1
+        if stuck:
+            log.warning("supervisor.stop_timeout", stuck=stuck, timeout=timeout)
 
     # --- scheduler and reaper --------------------------------------------------------------
     @property
