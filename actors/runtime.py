@@ -25,9 +25,11 @@ Decisions documented here:
 * ``register``, ``heartbeat`` and ``reconcile`` are host-level, not about one
   task: they go to the repository directly; afterwards the facade tells the
   Lease actors of attempts a reconcile ended, and wakes the Scheduler.
-* Task events (``add_listener``) are emitted on the loop after the commit, at
-  most once: a crash between a commit and its event loses the event, never the
-  transition (the database is the record).
+* Task events (``add_listener``) are dispatched on the loop, never before the
+  commit of the transition they report. They are notifications, not a log: a
+  crash between a commit and its event loses that event, and a Lease actor
+  rebuilt from the database (which does not say whether an attempt is assigned,
+  dispatched or running) may repeat one. The database is the record.
 * Threads: ``start()`` sets ``threading.stack_size(stack_size)`` (default
   256 KiB) for the whole process before starting any actor. An actor thread
   only runs handler code and waits for the loop, so a small stack is enough,
