@@ -529,12 +529,27 @@ async def run_control_plane(
         await service.stop()
 
 
+async def _serve_precheck(settings: Any, timeout: float = 10.0) -> None:
+    """Reachability of the given servers, bounded: nats-py keeps retrying a
+    refused first connect, so ``check_nats`` alone can wait forever."""
+    from ops.system import check_nats
+
+    if settings.database_url:
+        await check_database(settings.database_url)
+    if settings.nats_url:
+        try:
+            await asyncio.wait_for(check_nats(settings.nats_url, timeout=5.0), timeout)
+        except TimeoutError:
+            raise Unreachable(f"cannot reach NATS at {settings.nats_url}: timed out") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = from_args(args)
     configure_logging(debug=settings.debug)
     timings = timings_from_args(args)
     try:
         ensure_state_dir(settings.state_dir)
+        asyncio.run(_serve_precheck(settings))
         with stop_signals() as stop, Services(settings) as services:
             print(
                 f"fleetlease serve: PostgreSQL {redact(services.database_url)}, "
