@@ -649,8 +649,6 @@ class Repository:
                     self._free_devices(now).order_by(devices.c.host_id, devices.c.device_id)
                 )
             ).all()
-        if won:
-            log.debug("tasks.assigned", count=len(won))
         return won
 
     async def _bind_attempts(
@@ -1342,7 +1340,6 @@ class Repository:
             {"ended_at": now, "end_reason": end.value},
         )
         await conn.execute(device_reservations.delete().where(device_reservations.c.task_id == tid))
-        log.debug("task.result", task_id=tid, attempt=row["attempt"], state=state.value)
         return ResultRecord(
             task_id=tid,
             attempt=row["attempt"],
