@@ -107,9 +107,10 @@ class Bench:
         return task_id
 
 
-async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
+async def _timed(request: Awaitable[Any]) -> float:
+    """Time one request; the coroutine does not start before it is awaited here."""
     t0 = time.perf_counter()
-    await fn()
+    await request
     return time.perf_counter() - t0
 
 
@@ -185,14 +186,12 @@ async def run(args: argparse.Namespace) -> None:
         renew: list[float] = []
         for i in range(args.samples):
             r = running[i % len(running)]
-            renew.append(await _timed(lambda r=r: h.renew(r.task_id, r.attempt, r.lease_token)))
+            renew.append(await _timed(h.renew(r.task_id, r.attempt, r.lease_token)))
         result: list[float] = []
         for r in running:
             result.append(
                 await _timed(
-                    lambda r=r: h.result(
-                        r.task_id, r.attempt, r.lease_token, outcome="done", fingerprint="y"
-                    )
+                    h.result(r.task_id, r.attempt, r.lease_token, outcome="done", fingerprint="y")
                 )
             )
         running.clear()
@@ -203,9 +202,7 @@ async def run(args: argparse.Namespace) -> None:
             await h.ack(a.task_id, a.attempt, a.lease_token)
             result.append(
                 await _timed(
-                    lambda a=a: h.result(
-                        a.task_id, a.attempt, a.lease_token, outcome="done", fingerprint="z"
-                    )
+                    h.result(a.task_id, a.attempt, a.lease_token, outcome="done", fingerprint="z")
                 )
             )
         print("latency (one host, sequential requests):")

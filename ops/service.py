@@ -93,6 +93,7 @@ class ControlPlaneService:
             from ops.api import OpsApi
         except ModuleNotFoundError:
             return None
+        assert self.repo is not None
         return OpsApi(repo=self.repo, control_plane=self.control_plane, service=self)
 
     async def _start_broker_auth(self) -> dict[str, Any]:
