@@ -748,21 +748,36 @@ class Server:
         await js.publish(subject, m.data, stream=self.staging_stream)
 
     async def _artifact_commit(self, s: Session, m: wire.ArtifactCommit) -> None:
+        """Reassemble and verify the staged chunks (``conflict`` on any mismatch,
+        nothing recorded); record the artifact (fenced by the repository: another
+        host's attempt is refused before any object is written); then store the
+        object. A failed store leaves a record whose object is missing until the
+        host's retry of the commit (the record is idempotent) stores it."""
         if m.size > MAX_ARTIFACT_BYTES:
             raise Invalid(f"artifacts are limited to {MAX_ARTIFACT_BYTES} bytes", field="size")
         object_name = self.object_name(m.task_id, m.attempt, m.name, m.sha256)
         store = await self._store()
-        if not await self._stored(store, object_name, m.size):
-            await self._assemble_and_put(s, m, store, object_name)
-        await self.repo.record_artifact(
-            s,
-            m.task_id,
-            m.attempt,
-            name=m.name,
-            size=m.size,
-            sha256=m.sha256,
-            object_name=object_name,
-        )
+        stored = await self._stored(store, object_name, m.size)
+        fd, path = tempfile.mkstemp(prefix="fleetlease-artifact-")
+        f = os.fdopen(fd, "w+b")
+        try:
+            if not stored:
+                await self._assemble(s, m, f)
+            await self.repo.record_artifact(
+                s,
+                m.task_id,
+                m.attempt,
+                name=m.name,
+                size=m.size,
+                sha256=m.sha256,
+                object_name=object_name,
+            )
+            if not stored:
+                await store.put(object_name, cast(IO[bytes], f))
+        finally:
+            f.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         log.info(
             "artifact_committed",
             host_id=s.host_id,
@@ -784,44 +799,34 @@ class Server:
             return False
         return int(info.size or 0) == size
 
-    async def _assemble_and_put(
-        self, s: Session, m: wire.ArtifactCommit, store: Any, object_name: str
-    ) -> None:
+    async def _assemble(self, s: Session, m: wire.ArtifactCommit, f: IO[bytes]) -> None:
+        """The staged chunks from offset 0, in order, into ``f``; ``Conflict``
+        unless they add up to exactly ``m.size`` bytes with digest ``m.sha256``."""
         js = await self._staging()
         loop = asyncio.get_running_loop()
-        fd, path = tempfile.mkstemp(prefix="fleetlease-artifact-")
-        f = os.fdopen(fd, "w+b")
-        try:
-            digest = hashlib.sha256()
-            offset = 0
-            while offset < m.size:
-                subject = self._chunk_subject(s, m.task_id, m.attempt, m.name, offset)
-                try:
-                    raw = await js.get_last_msg(self.staging_stream, subject)
-                except NotFoundError:
-                    raise Conflict(
-                        f"artifact {m.name!r}: no chunk at offset {offset}", field="size"
-                    ) from None
-                data = bytes(raw.data or b"")
-                if not data or offset + len(data) > m.size:
-                    raise Conflict(
-                        f"artifact {m.name!r}: chunks do not add up to {m.size} bytes",
-                        field="size",
-                    )
-                digest.update(data)
-                await loop.run_in_executor(self._io, f.write, data)
-                offset += len(data)
-            if digest.hexdigest() != m.sha256:
+        digest = hashlib.sha256()
+        offset = 0
+        while offset < m.size:
+            subject = self._chunk_subject(s, m.task_id, m.attempt, m.name, offset)
+            try:
+                raw = await js.get_last_msg(self.staging_stream, subject)
+            except NotFoundError:
                 raise Conflict(
-                    f"artifact {m.name!r}: digest does not match the chunks received",
-                    field="sha256",
+                    f"artifact {m.name!r}: no chunk at offset {offset}", field="size"
+                ) from None
+            data = bytes(raw.data or b"")
+            if not data or offset + len(data) > m.size:
+                raise Conflict(
+                    f"artifact {m.name!r}: chunks do not add up to {m.size} bytes", field="size"
                 )
-            await loop.run_in_executor(self._io, _rewind, f)
-            await store.put(object_name, cast(IO[bytes], f))
-        finally:
-            f.close()
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            digest.update(data)
+            await loop.run_in_executor(self._io, f.write, data)
+            offset += len(data)
+        if digest.hexdigest() != m.sha256:
+            raise Conflict(
+                f"artifact {m.name!r}: digest does not match the chunks received", field="sha256"
+            )
+        await loop.run_in_executor(self._io, _rewind, f)
 
     async def read_artifact(self, object_name: str) -> bytes:
         store = await self._store()

@@ -29,10 +29,12 @@ from nats.aio.client import Client as NatsClient
 
 from ops.service import ControlPlaneService
 from persistence.clock import ManualClock
+from persistence.errors import NotFound
 from persistence.model import LeaseTimings, TaskKind, TaskSpec, User
 from transport import wire
 from transport.auth import Signer
 from transport.client import HostClient
+from transport.server import Server
 from transport.subjects import HOST_VERBS, Channel, Subjects
 
 pytestmark = pytest.mark.embedded
@@ -519,6 +521,13 @@ async def test_a_result_for_another_hosts_task_is_refused(system: System) -> Non
             await call()
         assert err.value.code in {"forbidden", "conflict", "not_found"}, err.value
         assert await system.snapshot() == before
+    # Nor was anything written into the object store under B's task.
+    with pytest.raises(NotFound):
+        await system.server.read_artifact(
+            Server.object_name(
+                b_task.task_id, b_task.attempt, "a", hashlib.sha256(b"not mine").hexdigest()
+            )
+        )
     ok = await hb.client.result(
         b_task.task_id, b_task.attempt, b_task.lease_token, outcome="done", fingerprint="b"
     )
