@@ -597,7 +597,8 @@ class Agent:
             await self.devices_refresh()
             if not await self._connect():
                 return  # stopped before the first connection
-            await self._resync("start", jitter=False)
+            if not await self._until_stopped(self._resync("start", jitter=False)):
+                return  # stopped while the control plane was unreachable
             self._started.set()
             self._spawn(self._heartbeat_loop(), "heartbeat")
             self._spawn(self._ship_logs(), "log_shipper")
@@ -616,6 +617,22 @@ class Agent:
         finally:
             unsubscribe()
             await self._teardown()
+
+    async def _until_stopped(self, coro: Awaitable[None]) -> bool:
+        """Run ``coro`` unless a stop comes first (then cancel it, return False)."""
+        work = asyncio.ensure_future(coro)
+        stop_wait = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({work, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_wait.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        if work.cancelled():
+            return False
+        work.result()  # raises what it raised
+        return True
 
     async def devices_refresh(self) -> None:
         with contextlib.suppress(Exception):
@@ -791,7 +808,7 @@ class Agent:
             )
             try:
                 await self._reconcile(client)
-                await client.heartbeat(self._snapshot())
+                await self._first_heartbeat(client)
             except RemoteError as exc:
                 delay = backoff.next_delay()
                 log.warning(
@@ -807,6 +824,18 @@ class Agent:
         self._devices_changed.clear()
         self._ready.set()
         self._wake.set()
+
+    async def _first_heartbeat(self, client: HostClient) -> None:
+        """The snapshot right after registering; only a dead session matters here
+        (the heartbeat loop repeats it anyway)."""
+        try:
+            await client.heartbeat(self._snapshot())
+        except RemoteError as exc:
+            if exc.code == "unauthorized":
+                raise
+            log.warning(
+                "heartbeat_failed", host_id=self.config.host_id, code=exc.code, error=exc.message
+            )
 
     async def _reconcile(self, client: HostClient) -> None:
         journal = self._journal_or_fail()
@@ -1098,6 +1127,18 @@ class Agent:
             await self._report(att)
         except _Aborted:
             pass
+        except Exception as exc:
+            # A local failure (journal write, a bug): unless the attempt is
+            # already settled, its journal entry stays for the next start to
+            # reconcile; the device is freed either way.
+            log.error(
+                "attempt_crashed",
+                task_id=rec.task_id,
+                attempt=rec.attempt,
+                error_type=type(exc).__name__,
+                error=str(exc)[:500],
+                exc_info=exc,
+            )
         finally:
             if att.renewer is not None:
                 att.renewer.cancel()

@@ -601,3 +601,34 @@ async def test_logs_never_carry_the_credential_or_lease_tokens(
     assert credential not in text
     # Lease tokens are never logged under any key.
     assert not [e for e in logs if any("token" in k for k in e)]
+
+
+async def test_stop_while_no_control_plane_answers_returns_without_registering(
+    nats_url: str, subject_prefix: str, tmp_path: Path
+) -> None:
+    config = AgentConfig(
+        host_id="h1",
+        credential="cd" * 32,
+        nats_url=nats_url,
+        state_dir=tmp_path / "agent",
+        prefix=subject_prefix,  # nobody serves this prefix
+        resync_jitter_s=0.0,
+        backoff_base_s=0.05,
+        backoff_cap_s=0.2,
+    )
+    agent = Agent(config, SimulatedDeviceManager(1))
+    with capture_logs() as logs:
+        task = asyncio.create_task(agent.run())
+        await eventually(_events_named(logs, "registration_failed"), lambda n: n >= 2, timeout=30)
+        agent.stop()
+        await asyncio.wait_for(task, 30)
+
+    assert not agent.started.is_set()
+    assert not [e for e in logs if e["event"] == "agent_registered"]
+
+
+def _events_named(logs: list[dict[str, Any]], name: str) -> Callable[[], Awaitable[int]]:
+    async def probe() -> int:
+        return sum(e["event"] == name for e in logs)
+
+    return probe
