@@ -54,6 +54,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
 
+from persistence.clock import Clock, SystemClock
 from persistence.errors import Conflict, Invalid, RepositoryError, Unauthorized, Unavailable
 from persistence.model import DeviceSnapshot, JournalEntry, LeaseTimings, Session
 from transport import wire
@@ -217,6 +218,7 @@ class Server:
         channels: Mapping[Channel, ChannelConfig] | None = None,
         connect_options: dict[str, Any] | None = None,
         replay_window_s: float | None = None,
+        auth_clock: Clock | None = None,
     ) -> None:
         self.nats_url = nats_url
         self.cp = control_plane
@@ -229,7 +231,12 @@ class Server:
         verifier_opts: dict[str, Any] = {}
         if replay_window_s is not None:
             verifier_opts["window_s"] = replay_window_s
-        self.verifier = Verifier(server_secret, repo.clock, subjects=self.subjects, **verifier_opts)
+        # Message freshness is judged by wall time, as hosts sign: the repository's
+        # clock may be a test's ManualClock jumping ahead to expire leases, which
+        # must not make every signature look stale.
+        self.verifier = Verifier(
+            server_secret, auth_clock or SystemClock(), subjects=self.subjects, **verifier_opts
+        )
         self._connect_options = dict(connect_options or {})
         cfg = dict(DEFAULT_CHANNELS)
         cfg.update(channels or {})
