@@ -113,8 +113,9 @@ MAX_INT32 = 2**31 - 1
 MAX_BACKOFF_S = 7 * 24 * 3600.0
 HOST_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-#: SQLSTATEs after which the whole transaction is simply run again.
-RETRY_SQLSTATES = frozenset({"40001", "40P01"})
+#: SQLSTATEs after which the whole transaction is simply run again: serialization
+#: failure, deadlock, and a refused connection (the transaction never started).
+RETRY_SQLSTATES = frozenset({"40001", "40P01", "53300", "57P03"})
 TX_ATTEMPTS = 5
 
 _ACTIVE = [s.value for s in ACTIVE_STATES]
@@ -466,14 +467,18 @@ class Repository:
                 state = _sqlstate(exc)
                 if state in RETRY_SQLSTATES and attempt < TX_ATTEMPTS:
                     log.info("repository.tx_retry", op=op, sqlstate=state, attempt=attempt)
-                    await asyncio.sleep(random.uniform(0, 0.005 * attempt))
+                    await asyncio.sleep(random.uniform(0, 0.01 * 2**attempt))
                     continue
                 if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError) or (
                     exc.connection_invalidated or state in RETRY_SQLSTATES
                 ):
-                    raise Unavailable(f"database unavailable during {op}", op=op) from exc
+                    raise Unavailable(
+                        f"database unavailable during {op}", op=op, sqlstate=state
+                    ) from exc
                 if state is not None and state.startswith(("08", "53", "57")):
-                    raise Unavailable(f"database unavailable during {op}", op=op) from exc
+                    raise Unavailable(
+                        f"database unavailable during {op}", op=op, sqlstate=state
+                    ) from exc
                 raise
             except (OSError, TimeoutError, sa.exc.TimeoutError) as exc:
                 raise Unavailable(f"database unavailable during {op}", op=op) from exc
@@ -551,13 +556,39 @@ class Repository:
         )
 
     async def _assign(self, conn: AsyncConnection, now: datetime, limit: int) -> list[Assignment]:
-        free = (
-            await conn.execute(
-                self._free_devices(now).order_by(devices.c.host_id, devices.c.device_id)
-            )
-        ).all()
-        if not free:
-            return []
+        """Candidates come in rank order, in batches: each batch re-reads the free
+        devices (which then exclude this transaction's own reservations and those
+        other assigners committed), locks the next candidates that still match one
+        of them, and reserves greedily. Candidates left without a device stay locked
+        and are tried again (first, keeping their rank) in the next batch."""
+        won: list[Assignment] = []
+        pending: list[Any] = []
+        seen: list[str] = []
+        for _batch in range(8):
+            free = (
+                await conn.execute(
+                    self._free_devices(now).order_by(devices.c.host_id, devices.c.device_id)
+                )
+            ).all()
+            room = min(limit - len(won), len(free))
+            if room <= 0:
+                break
+            fresh = await self._lock_candidates(conn, now, room, seen)
+            seen.extend(t.id for t in fresh)
+            pending.extend(fresh)
+            got = await self._reserve(conn, now, pending, free, limit - len(won))
+            won.extend(got)
+            taken = {a.task_id for a in got}
+            pending = [t for t in pending if t.id not in taken]
+            if not fresh and not got:
+                break
+        return won
+
+    async def _lock_candidates(
+        self, conn: AsyncConnection, now: datetime, n: int, exclude: Sequence[str]
+    ) -> list[Any]:
+        """Lock the next ``n`` waiting tasks, fair across projects (round-robin by
+        project, priority then FIFO within one), that match some free device."""
         free_sub = self._free_devices(now).subquery("free")
         matchable = sa.exists().where(free_sub.c.capabilities.contains(tasks.c.selector))
         waiting = sa.and_(tasks.c.status.in_(_WAITING), tasks.c.eligible_at <= now)
@@ -574,32 +605,47 @@ class Repository:
             .where(waiting, matchable)
             .cte("ranked")
         )
-        # The rank comes from a snapshot; the outer WHERE is rechecked on the locked
-        # row, so a task another assigner took meanwhile drops out.
-        candidates = (
-            await conn.execute(
-                sa.select(
-                    tasks.c.id,
-                    tasks.c.status,
-                    tasks.c.attempt,
-                    tasks.c.selector,
-                    tasks.c.project,
-                )
-                .join(ranked, ranked.c.id == tasks.c.id)
-                .where(waiting)
-                .order_by(ranked.c.rn, tasks.c.priority.desc(), tasks.c.seq)
-                .limit(min(limit, len(free)))
-                .with_for_update(of=tasks, skip_locked=True)
+        stmt = (
+            sa.select(
+                tasks.c.id,
+                tasks.c.status,
+                tasks.c.attempt,
+                tasks.c.selector,
+                tasks.c.project,
             )
-        ).all()
-        pending = list(candidates)
+            .join(ranked, ranked.c.id == tasks.c.id)
+            # The rank comes from a snapshot; this WHERE is rechecked on the locked
+            # row, so a task another assigner took meanwhile drops out.
+            .where(waiting)
+            .order_by(ranked.c.rn, tasks.c.priority.desc(), tasks.c.seq)
+            .limit(n)
+            .with_for_update(of=tasks, skip_locked=True)
+        )
+        if exclude:
+            stmt = stmt.where(tasks.c.id != sa.all_(_arr(exclude, UUIDT)))
+        return list((await conn.execute(stmt)).all())
+
+    async def _reserve(
+        self,
+        conn: AsyncConnection,
+        now: datetime,
+        candidates: list[Any],
+        free: Sequence[Any],
+        limit: int,
+    ) -> list[Assignment]:
+        """Match locked candidates to free devices greedily in rank order and insert
+        the reservations (ON CONFLICT DO NOTHING: a device another assigner reserved
+        first is simply lost, and looked for again with a fresh read)."""
         won: list[Assignment] = []
+        pending = list(candidates)
         for _round in range(4):
-            if not pending or not free:
+            if not pending or not free or len(won) >= limit:
                 break
             pairs: list[tuple[Any, Any]] = []
             used: set[tuple[str, str]] = set()
             for task in pending:
+                if len(won) + len(pairs) >= limit:
+                    break
                 for dev in free:
                     key = (dev.host_id, dev.device_id)
                     if key in used:
@@ -649,7 +695,9 @@ class Repository:
                     self._free_devices(now).order_by(devices.c.host_id, devices.c.device_id)
                 )
             ).all()
-        return won
+        # Rank order for the caller, whatever order the devices were inserted in.
+        rank = {t.id: i for i, t in enumerate(candidates)}
+        return sorted(won, key=lambda a: rank[a.task_id])
 
     async def _bind_attempts(
         self, conn: AsyncConnection, now: datetime, pairs: list[tuple[Any, Any]]

@@ -387,3 +387,19 @@ async def test_result_from_an_expired_lease_awaiting_retry_is_rejected(world: Wo
         )
 
     assert await world.snapshot() == before
+
+
+async def test_a_pinned_task_that_loses_its_device_does_not_keep_another_task_waiting(
+    world: World,
+) -> None:
+    # Found by the state machine: two free devices, three waiting tasks; the first
+    # two are pinned to h1, which has one free device: the third must still get h0's.
+    await world.host("h0", ["d0"])
+    await world.host("h1", ["d0"])
+    first = await world.submit(selector={"host": "h1"}, priority=1)
+    await world.submit(selector={"host": "h1"})
+    anywhere = await world.submit()
+
+    got = {a.task_id: a.host_id for a in await world.repo.assign()}
+
+    assert got == {first: "h1", anywhere: "h0"}

@@ -168,3 +168,59 @@ async def test_bad_host_and_user_names_are_invalid(world: World) -> None:
     with pytest.raises(Invalid) as err:
         await world.repo.list_tasks(world.root, states=["sleeping"])
     assert err.value.field == "states"
+
+
+async def test_an_unreachable_database_is_unavailable_with_the_driver_error_as_cause(
+    world: World,
+) -> None:
+    from persistence.db import create_engine
+    from persistence.errors import Unavailable
+    from persistence.repository import Repository
+
+    engine = create_engine("postgresql://postgres@127.0.0.1:1/nowhere", pool_size=1)
+    try:
+        with pytest.raises(Unavailable) as err:
+            await Repository(engine, world.clock).submit(spec())
+    finally:
+        await engine.dispose()
+
+    assert err.value.retryable and err.value.__cause__ is not None
+
+
+async def test_a_connection_killed_mid_transaction_is_unavailable(world: World) -> None:
+    from sqlalchemy import text
+
+    from persistence.errors import Unavailable
+
+    session = await world.host("h1", ["d1"])
+    c = await world.running(session)
+    async with world.engine.connect() as admin:
+        pids = [
+            r[0]
+            for r in await admin.execute(
+                text(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND pid <> pg_backend_pid()"
+                )
+            )
+        ]
+        for pid in pids:
+            await admin.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+        await admin.commit()
+    # Pooled connections are now dead; pre-ping replaces them, so this still works ...
+    status = await world.repo.renew(session, c.task_id, 1, c.lease_token)
+    assert status.attempt == 1
+    # ... while a connection lost inside the transaction is reported as Unavailable.
+    original = world.repo._load
+
+    async def load_then_die(conn, *args):  # type: ignore[no-untyped-def]
+        row = await original(conn, *args)
+        pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar()
+        async with world.engine.connect() as admin:
+            await admin.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+        return row
+
+    world.repo._load = load_then_die  # type: ignore[method-assign]
+    with pytest.raises(Unavailable) as err:
+        await world.repo.ack(session, c.task_id, 1, c.lease_token)
+    assert err.value.__cause__ is not None
