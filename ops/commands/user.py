@@ -110,13 +110,19 @@ class OpsClient:
             errors.append(str(exc) or type(exc).__name__)
 
         try:
-            self.nc = await nats.connect(
-                self.nats_url,
-                name="fleetlease-cli",
-                connect_timeout=min(self.timeout_s, 5.0),
-                allow_reconnect=False,
-                max_reconnect_attempts=0,
-                error_cb=on_error,
+            # nats-py 2.16 retries the first connect forever with
+            # max_reconnect_attempts=0: allow one retry, and bound it anyway.
+            self.nc = await asyncio.wait_for(
+                nats.connect(
+                    self.nats_url,
+                    name="fleetlease-cli",
+                    connect_timeout=min(self.timeout_s, 5.0),
+                    allow_reconnect=False,
+                    max_reconnect_attempts=1,
+                    reconnect_time_wait=0.1,
+                    error_cb=on_error,
+                ),
+                self.timeout_s,
             )
         except Exception as exc:
             reason = errors[0] if errors else (str(exc) or type(exc).__name__)

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import pytest
 import sqlalchemy as sa
+import structlog
 
 from ops.cli import main
 from ops.service import ControlPlaneService
@@ -162,6 +163,8 @@ async def system(
 ) -> AsyncIterator[System]:
     for var in ("FLEETLEASE_TOKEN", "FLEETLEASE_NATS_URL", "FLEETLEASE_PREFIX"):
         monkeypatch.delenv(var, raising=False)
+    # The in-process control plane logs; keep that out of the CLI output we check.
+    structlog.configure(logger_factory=structlog.ReturnLoggerFactory())
     service = ControlPlaneService(
         database_url=db_url,
         nats_url=nats_url,
@@ -180,6 +183,7 @@ async def system(
         yield System(service, cli, admin_token, db_url, nats_url, subject_prefix)
     finally:
         await service.stop()
+        structlog.reset_defaults()
 
 
 @dataclass
@@ -492,7 +496,9 @@ async def test_logs_follow_pages_until_the_task_is_terminal(system: System, host
     await host.client.append_logs(task_id, a.attempt, 0, [f"line {i}" for i in range(5)])
 
     async def host_side() -> None:
-        await host.client.append_logs(task_id, a.attempt, 5, [f"line {i}" for i in range(5, 1500)])
+        for first in range(5, 1500, 500):
+            lines = [f"line {i}" for i in range(first, min(first + 500, 1500))]
+            await host.client.append_logs(task_id, a.attempt, first, lines)
         await host.finish(a)
 
     follower = asyncio.create_task(system.cli("logs", task_id, "--follow", "--json", token=admin))
