@@ -150,8 +150,6 @@ def project_task(raw: Mapping[str, Any], *, with_attempts: bool = True) -> dict[
         "priority": _plain(raw.get("priority")),
         "attempt": _plain(raw.get("attempt")),
         "max_attempts": _plain(raw.get("max_attempts")),
-        "host_id": _plain(raw.get("host_id")),
-        "device_id": _plain(raw.get("device_id")),
         "retry_at": _plain(retry_at),
         "cancel": _cancel_of(raw),
         "result": _plain(raw.get("result")),
@@ -166,9 +164,9 @@ def project_task(raw: Mapping[str, Any], *, with_attempts: bool = True) -> dict[
         out["payload"] = _plain(raw.get("payload"))
         out["selector"] = _plain(raw.get("selector"))
         out["attempts"] = [project_attempt(a) for a in (attempts or []) if isinstance(a, Mapping)]
-        if out["host_id"] is None and out["attempts"]:
-            last = out["attempts"][-1]
-            out["host_id"], out["device_id"] = last["host_id"], last["device_id"]
+        last = out["attempts"][-1] if out["attempts"] else {}
+        out["host_id"] = last.get("host_id")
+        out["device_id"] = last.get("device_id")
     return out
 
 
@@ -183,7 +181,6 @@ def project_host(raw: Mapping[str, Any]) -> dict[str, Any]:
         "session_generation": _plain(raw.get("session_generation")),
         "devices": _plain(devices) if devices is not None else 0,
         "revoked": bool(raw.get("revoked") or raw.get("revoked_at")),
-        "created_at": _plain(raw.get("created_at")),
     }
 
 
@@ -195,7 +192,6 @@ def project_device(raw: Mapping[str, Any]) -> dict[str, Any]:
         "state": _plain(raw.get("state")),
         "capabilities": _plain(caps) if isinstance(caps, Mapping) else {},
         "task_id": _plain(raw.get("task_id")),
-        "live": _plain(raw.get("live")),
     }
 
 

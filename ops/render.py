@@ -115,30 +115,22 @@ def _table(*columns: str, title: str | None = None) -> Table:
 
 
 def tasks_table(tasks: Sequence[Mapping[str, Any]], *, title: str | None = None) -> Table:
-    table = _table(
-        "ID",
-        "STATE",
-        "WHAT",
-        "ATTEMPT",
-        "HOST",
-        "DEVICE",
-        "OWNER",
-        "PROJECT",
-        "UPDATED",
-        title=title,
-    )
+    # `tasks` rows carry no placement; rows built from events (watch) do.
+    placed = any(t.get("host_id") for t in tasks)
+    columns = ["ID", "STATE", "WHAT", "ATTEMPT"]
+    columns += ["HOST", "DEVICE"] if placed else []
+    table = _table(*columns, "OWNER", "PROJECT", "UPDATED", title=title)
     for t in tasks:
-        table.add_row(
+        row: list[str | Text] = [
             cell(t.get("id")),
             state_text(t.get("state")),
             escape(what(t)),
             f"{cell(t.get('attempt'))}/{cell(t.get('max_attempts'))}",
-            cell(t.get("host_id")),
-            cell(t.get("device_id")),
-            cell(t.get("owner")),
-            cell(t.get("project")),
-            when(t.get("updated_at")),
-        )
+        ]
+        if placed:
+            row += [cell(t.get("host_id")), cell(t.get("device_id"))]
+        row += [cell(t.get("owner")), cell(t.get("project")), when(t.get("updated_at"))]
+        table.add_row(*row)
     return table
 
 
@@ -243,7 +235,7 @@ def print_hosts(hosts: Sequence[Mapping[str, Any]], *, show_revoked: bool = Fals
         return
     columns = ["HOST", "LIVE", "LAST SEEN", "GENERATION", "DEVICES"]
     if show_revoked:
-        columns += ["REVOKED", "CREATED"]
+        columns += ["REVOKED"]
     table = _table(*columns)
     for h in hosts:
         row: list[str | Text] = [
@@ -254,7 +246,7 @@ def print_hosts(hosts: Sequence[Mapping[str, Any]], *, show_revoked: bool = Fals
             cell(h.get("devices")),
         ]
         if show_revoked:
-            row += [cell(bool(h.get("revoked"))), when(h.get("created_at"))]
+            row.append(cell(bool(h.get("revoked"))))
         table.add_row(*row)
     out.print(table)
 

@@ -314,7 +314,9 @@ class LocalSystem:
             "--devices",
             f"simulated:{self.devices}",
             "--state-dir",
-            str(self.state_dir / "agent"),
+            str(self.state_dir),
+            "--prefix",
+            self.settings.prefix,
         ]
 
     async def start_agent(self) -> None:
