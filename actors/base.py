@@ -53,6 +53,11 @@ class CrashRequested(Exception):
     """A deliberate crash (the :class:`~actors.messages.Crash` message)."""
 
 
+class NotDelivered(Unavailable):
+    """The actor stopped before it handled the message: nothing was done, so the
+    message may be re-sent (to the actor's replacement) as it is."""
+
+
 class Stats:
     """Thread-safe counters (assign calls, restarts, wake-ups, ...)."""
 
@@ -122,7 +127,7 @@ def _refuse(envelope: Envelope[Any], reason: str) -> None:
     (as pykka does), our ``Reply`` gets the retryable ``Unavailable``."""
     message = envelope.message
     if isinstance(message, Message) and message.reply is not None:
-        message.reply.set_exception(Unavailable(reason))
+        message.reply.set_exception(NotDelivered(reason))
     if envelope.reply_to is not None:
         with contextlib.suppress(queue.Full):  # already answered
             envelope.reply_to.set_exception(exc_info=(ActorDeadError, ActorDeadError(reason), None))
@@ -181,6 +186,7 @@ class FleetActor(pykka.ThreadingActor):
         super().__init__()
         self.ctx = ctx
         self._stopping_expected = False
+        self._crash_reply: Reply[Any] | None = None
         self._handlers: dict[type[Message], Callable[[Any], None]] = {}
 
     @staticmethod
@@ -205,6 +211,9 @@ class FleetActor(pykka.ThreadingActor):
 
     # --- pykka hooks -------------------------------------------------------------------
     def on_receive(self, message: Any) -> Any:
+        if self._crash_reply is not None:  # a crash inside an ask(): no on_failure came
+            self._crash_reply.set_exception(Unavailable("the actor crashed; retry"))
+            self._crash_reply = None
         if not isinstance(message, Message):
             log.warning("actor.bad_message", type=type(message).__name__, **self.describe())
             return None
@@ -228,8 +237,9 @@ class FleetActor(pykka.ThreadingActor):
                 reply.set_exception(exc)
         except (failpoints.FailPointError, CrashRequested) as exc:
             log.warning("actor.crash", reason=str(exc), **self.describe())
-            if reply is not None:
-                reply.set_exception(Unavailable("the actor crashed; retry"))
+            # Answered in on_failure, once the replacement exists, so that an
+            # immediate retry reaches the new actor rather than the dying one.
+            self._crash_reply = reply
             raise
         except Exception as exc:
             log.error("actor.handler_error", error=repr(exc), exc_info=True, **self.describe())
@@ -249,5 +259,12 @@ class FleetActor(pykka.ThreadingActor):
         traceback: TracebackType | None,
     ) -> None:
         self._inbox().close("actor crashed; retry")
-        if self.ctx.supervisor is not None:
-            self.ctx.supervisor.child_failed(self, exception_value)
+        try:
+            if self.ctx.supervisor is not None:
+                self.ctx.supervisor.child_failed(self, exception_value)
+        finally:
+            if self._crash_reply is not None:
+                # The outcome of the crashed message is unknown (it may have
+                # committed): plain Unavailable, not NotDelivered.
+                self._crash_reply.set_exception(Unavailable("the actor crashed; retry"))
+                self._crash_reply = None

@@ -132,13 +132,20 @@ def arm(
 
 
 def disarm(name: str | None = None) -> None:
-    """Disarm one point, or all of them (and forget their counters)."""
+    """Disarm one point, or all of them (and forget their counters). Threads
+    parked on a disarmed point's pause are released: a test that fails before
+    releasing them must not leave an actor parked forever."""
     with _registry_lock:
         if name is None:
+            removed = list(_armed.values())
             _armed.clear()
             _fired_total.clear()
         else:
-            _armed.pop(name, None)
+            one = _armed.pop(name, None)
+            removed = [one] if one is not None else []
+    for arm_ in removed:
+        if arm_.pause is not None:
+            arm_.pause.set()
 
 
 def fired(name: str) -> int:

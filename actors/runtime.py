@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 import structlog
 from pykka import ActorDeadError, ActorRef
 
-from actors.base import Context, Stats
+from actors.base import Context, NotDelivered, Stats
 from actors.bridge import Bridge, Reply
 from actors.groupcommit import RenewBatcher
 from actors.lease import LeaseActor
@@ -96,6 +96,9 @@ log = structlog.get_logger("fleetlease.runtime")
 T = TypeVar("T")
 
 DEFAULT_STACK_SIZE = 256 * 1024
+
+#: How often a message the Lease actor never handled is re-sent to its replacement.
+_REDELIVERIES = 3
 
 
 class ControlPlane:
@@ -348,16 +351,25 @@ class ControlPlane:
             wanted = set(device_ids)
             pending = [a for a in pending if a.device_id in wanted]
         for a in sorted(pending, key=lambda a: a.claim_deadline):
+            claimed = await self._claim_one(session, a)
+            if claimed is not None:
+                return claimed
+        return None
+
+    async def _claim_one(self, session: Session, a: Assignment) -> Claimed | None:
+        for attempt in range(_REDELIVERIES + 1):
             ref = self.supervisor.lease_for(a.task_id) or self.supervisor.ensure_lease(a)
             try:
                 claimed: Claimed = await self._ask(
                     ref,
-                    lambda r, a=a: Claim(  # type: ignore[misc]
-                        reply=r, session=session, task_id=a.task_id, attempt=a.attempt
-                    ),
+                    lambda r: Claim(reply=r, session=session, task_id=a.task_id, attempt=a.attempt),
                 )
             except (Conflict, Gone):
-                continue  # claimed by a concurrent poller, or just expired
+                return None  # claimed by a concurrent poller, or just expired
+            except NotDelivered:
+                if attempt == _REDELIVERIES:
+                    raise
+                continue
             return claimed
         return None
 
@@ -468,15 +480,15 @@ class ControlPlane:
         msg = Cancel(task_id=task_id, user=user)
         msg.validate()
         async with self._request():
-            ref = self.supervisor.lease_for(task_id)
-            if ref is not None:
+            for _ in range(_REDELIVERIES):
+                ref = self.supervisor.lease_for(task_id)
+                if ref is None:
+                    break
                 try:
                     record: CancelRecord = await self._ask(ref, lambda r: _with_reply(msg, r))
-                    return record
-                except Unavailable:
-                    if self.supervisor.lease_for(task_id) is not None:
-                        raise
-                    # The actor stopped meanwhile (task ended): answer directly.
+                except NotDelivered:
+                    continue  # stopped before handling it: its replacement, or directly
+                return record
             record = await self._bounded(self.repo.request_cancel(task_id, user))
         if record.state is TaskState.CANCELLED:
             self._dispatch([self._event(task_id, record.state, 0, None)])
@@ -488,15 +500,24 @@ class ControlPlane:
         assert isinstance(msg, Claim | Ack | Renew | Progress | ReportResult | CancelPoll)
         async with self._request():
             sup = self.supervisor
-            ref = sup.lease_for(msg.task_id)
-            if ref is None:
-                active = await self._active_attempt(msg.session.host_id, msg.task_id)
-                if active is None:
-                    result: T = await self._bounded(direct())
-                    return result
-                ref = sup.ensure_lease(active)
-            answer: T = await self._ask(ref, lambda r: _with_reply(msg, r))
-            return answer
+            for attempt in range(_REDELIVERIES + 1):
+                ref = sup.lease_for(msg.task_id)
+                if ref is None:
+                    active = await self._active_attempt(msg.session.host_id, msg.task_id)
+                    if active is None:
+                        result: T = await self._bounded(direct())
+                        return result
+                    ref = sup.ensure_lease(active)
+                try:
+                    answer: T = await self._ask(ref, lambda r: _with_reply(msg, r))
+                except NotDelivered:
+                    # The actor stopped before handling it (its task ended, or it
+                    # crashed on an earlier message): nothing happened, send again.
+                    if attempt == _REDELIVERIES:
+                        raise
+                    continue
+                return answer
+            raise AssertionError("unreachable")
 
     async def _active_attempt(self, host_id: str, task_id: str) -> Assignment | None:
         actives: list[Assignment] = await self._bounded(self.repo.active_attempts(host_id))
@@ -508,7 +529,7 @@ class ControlPlane:
         try:
             ref.tell(build(reply))
         except ActorDeadError as exc:
-            raise Unavailable("the actor is restarting; retry") from exc
+            raise NotDelivered("the actor is restarting; retry") from exc
         return await reply.wait(self.ask_timeout_s)
 
     async def _bounded(self, coro: Coroutine[Any, Any, T]) -> T:

@@ -26,7 +26,7 @@ TIMINGS = LeaseTimings(claim_s=30, ack_s=15, lease_s=30, liveness_s=1_000_000)
 def _stop_all_actors() -> Iterator[None]:
     yield
     failpoints.disarm()
-    pykka.ActorRegistry.stop_all()
+    pykka.ActorRegistry.stop_all(timeout=30)
 
 
 async def _chaos(engine: AsyncEngine, clock: ManualClock, cfg: ChaosConfig) -> None:

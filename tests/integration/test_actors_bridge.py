@@ -24,7 +24,7 @@ from tests.chaos.harness import wait_until
 @pytest.fixture(autouse=True)
 def _stop_all_actors() -> Iterator[None]:
     yield
-    pykka.ActorRegistry.stop_all()
+    pykka.ActorRegistry.stop_all(timeout=30)
 
 
 @dataclass(frozen=True, kw_only=True)
