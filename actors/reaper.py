@@ -86,6 +86,14 @@ class ReaperActor(FleetActor):
             log.warning("reaper.run_failed", error=exc.message, code=exc.code)
             self._schedule(None, retry=True)
             return
+        except failpoints.FailPointError:
+            raise  # a deliberate crash: the replacement schedules itself
+        except Exception as exc:
+            # Not a typed error (a bug, a driver error that escaped translation):
+            # keep the timer alive whatever happens.
+            log.error("reaper.run_error", error=repr(exc), exc_info=True)
+            self._schedule(None, retry=True)
+            return
         finally:
             # Devices may be free and retrying tasks eligible (coalesced; cheap).
             self.ctx.sup.wake_scheduler()
