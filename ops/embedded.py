@@ -32,6 +32,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As a server would bind: a port whose old connections linger in TIME_WAIT
+        # after a restart is free, so a restarted nats-server keeps its URL.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
