@@ -22,26 +22,23 @@ import json
 import os
 import sys
 import time
-from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ops import render
 from ops.cli import (
-    EXIT_BY_CODE,
     EXIT_DENIED,
-    EXIT_ERROR,
     EXIT_OK,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     CliError,
 )
+from ops.client import DEFAULT_TIMEOUT_S, OpsClient, OpsError, normalize_event, task_events
 from ops.config import Settings, from_args, read_context
 from transport import wire
-from transport.subjects import Subjects
 
-DEFAULT_TIMEOUT_S = 10.0
 SUBMIT_CHUNK = 100
 FOLLOW_POLL_S = 0.5
 LOG_PAGE = 1000
@@ -75,109 +72,6 @@ def client_settings(args: argparse.Namespace) -> Settings:
             EXIT_DENIED,
         )
     return settings
-
-
-@dataclass
-class OpsClient:
-    """One NATS connection for the user API of one control plane."""
-
-    nats_url: str
-    token: str
-    prefix: str = "fleetlease"
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    nc: Any = None
-
-    @classmethod
-    def from_settings(cls, settings: Settings, timeout_s: float = DEFAULT_TIMEOUT_S) -> OpsClient:
-        assert settings.nats_url and settings.token
-        return cls(
-            nats_url=settings.nats_url,
-            token=settings.token,
-            prefix=settings.prefix,
-            timeout_s=timeout_s,
-        )
-
-    @property
-    def subjects(self) -> Subjects:
-        return Subjects(self.prefix)
-
-    async def connect(self) -> OpsClient:
-        import nats
-
-        errors: list[str] = []
-
-        async def on_error(exc: Exception) -> None:
-            errors.append(str(exc) or type(exc).__name__)
-
-        try:
-            # nats-py 2.16 retries the first connect forever with
-            # max_reconnect_attempts=0: allow one retry, and bound it anyway.
-            self.nc = await asyncio.wait_for(
-                nats.connect(
-                    self.nats_url,
-                    name="fleetlease-cli",
-                    connect_timeout=min(self.timeout_s, 5.0),
-                    allow_reconnect=False,
-                    max_reconnect_attempts=1,
-                    reconnect_time_wait=0.1,
-                    error_cb=on_error,
-                ),
-                self.timeout_s,
-            )
-        except Exception as exc:
-            reason = errors[0] if errors else (str(exc) or type(exc).__name__)
-            raise CliError(
-                f"cannot reach NATS at {self.nats_url}: {reason}", EXIT_UNAVAILABLE
-            ) from exc
-        return self
-
-    async def close(self) -> None:
-        if self.nc is not None:
-            with contextlib.suppress(Exception):
-                await self.nc.close()
-            self.nc = None
-
-    async def __aenter__(self) -> OpsClient:
-        return await self.connect()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def call(self, verb: str, **args: Any) -> Any:
-        import nats.errors
-
-        request = wire.OpsRequest(
-            token=self.token, verb=verb, args={k: v for k, v in args.items() if v is not None}
-        )
-        try:
-            msg = await self.nc.request(
-                self.subjects.ops(verb), wire.encode(request), timeout=self.timeout_s
-            )
-        except nats.errors.NoRespondersError:
-            raise CliError(
-                f"no control plane answers on NATS at {self.nats_url} (prefix {self.prefix}): "
-                "is `fleetlease up` or `fleetlease serve` running?",
-                EXIT_UNAVAILABLE,
-            ) from None
-        except nats.errors.TimeoutError:
-            raise CliError(
-                f"the control plane did not answer {verb} within {self.timeout_s:g}s",
-                EXIT_UNAVAILABLE,
-            ) from None
-        except nats.errors.ConnectionClosedError:
-            raise CliError(
-                f"the NATS connection to {self.nats_url} closed", EXIT_UNAVAILABLE
-            ) from None
-        try:
-            reply = wire.decode_reply(msg.data, wire.OpsReply)
-        except wire.RemoteError as exc:
-            raise CliError(
-                f"{exc.code.replace('_', ' ')}: {exc.message}",
-                EXIT_BY_CODE.get(exc.code, EXIT_ERROR),
-            ) from None
-        except wire.DecodeError as exc:
-            raise CliError(f"bad reply from the control plane: {exc.message}") from None
-        return reply.data
 
 
 def run(args: argparse.Namespace, body: Callable[[OpsClient], Any]) -> int:
@@ -732,66 +626,6 @@ def cmd_whoami(args: argparse.Namespace) -> int:
 # --- watch --------------------------------------------------------------------------
 
 
-def normalize_event(raw: Any) -> dict[str, Any] | None:
-    """A task event as ``watch`` shows it, by allow-list (events are produced by
-    the actor system; only these fields ever reach the screen)."""
-    if not isinstance(raw, dict):
-        return None
-    task_id = raw.get("task_id") or raw.get("id")
-    state = raw.get("state") or raw.get("new_state") or raw.get("status")
-    if not isinstance(task_id, str) or not isinstance(state, str):
-        return None
-    at = raw.get("at") or raw.get("ts") or raw.get("time")
-    if isinstance(at, int | float) and not isinstance(at, bool):
-        at = wire.from_unix(float(at)).isoformat()
-    return {
-        "task_id": task_id,
-        "state": state,
-        "attempt": raw.get("attempt") if isinstance(raw.get("attempt"), int) else None,
-        "host_id": raw.get("host_id") if isinstance(raw.get("host_id"), str) else None,
-        "device_id": raw.get("device_id") if isinstance(raw.get("device_id"), str) else None,
-        "at": at if isinstance(at, str) else None,
-    }
-
-
-async def task_events(client: OpsClient) -> AsyncGenerator[dict[str, Any], None]:
-    """State changes of the tasks this user may read. The event subject is shared
-    by everyone, so each new task id is checked once with ``task_show`` (which
-    enforces the roles) and events of tasks the user may not read are dropped."""
-    import msgpack
-
-    queue: asyncio.Queue[bytes] = asyncio.Queue()
-
-    async def on_msg(msg: Any) -> None:
-        queue.put_nowait(msg.data)
-
-    sub = await client.nc.subscribe(client.subjects.events_task(), cb=on_msg)
-    readable: dict[str, bool] = {}
-    try:
-        while True:
-            data = await queue.get()
-            try:
-                event = normalize_event(msgpack.unpackb(data, raw=False))
-            except (ValueError, msgpack.UnpackException):
-                continue
-            if event is None:
-                continue
-            task_id = event["task_id"]
-            if task_id not in readable:
-                try:
-                    await client.call("task_show", id=task_id)
-                    readable[task_id] = True
-                except CliError as exc:
-                    if exc.exit_code == EXIT_UNAVAILABLE:
-                        raise
-                    readable[task_id] = False
-            if readable[task_id]:
-                yield event
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
-
-
 def cmd_watch(args: argparse.Namespace) -> int:
     async def body(client: OpsClient) -> None:
         deadline = time.monotonic() + args.duration if args.duration else None
@@ -874,4 +708,11 @@ class _LiveTasks:
         self.live.stop()
 
 
-__all__ = ["EXIT_USAGE", "OpsClient", "register"]
+__all__ = [
+    "EXIT_USAGE",
+    "OpsClient",
+    "OpsError",
+    "normalize_event",
+    "register",
+    "task_events",
+]
