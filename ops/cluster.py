@@ -469,6 +469,19 @@ class Cluster:
 
         return await self.retrying(read)
 
+    async def view(self, task_id: str) -> dict[str, Any]:
+        """``task show`` of one task (attempts included), as the platform admin."""
+        from persistence.model import User
+
+        admin = User(name="admin", platform_admin=True)
+        view: dict[str, Any] = await self.retrying(lambda: self.repo.task_view(task_id, admin))
+        return view
+
+    async def wait_view(
+        self, task_id: str, ok: Callable[[dict[str, Any]], bool], *, timeout: float, what: str
+    ) -> dict[str, Any]:
+        return await wait_for(lambda: self.view(task_id), ok, timeout=timeout, what=what)
+
     async def wait_terminal(
         self, ids: Sequence[str], *, timeout: float = 90.0, sample: bool = True
     ) -> dict[str, str]:
