@@ -114,22 +114,46 @@ def _table(*columns: str, title: str | None = None) -> Table:
 # --- tables -----------------------------------------------------------------------
 
 
-def tasks_table(tasks: Sequence[Mapping[str, Any]], *, title: str | None = None) -> Table:
+def tasks_table(
+    tasks: Sequence[Mapping[str, Any]], *, title: str | None = None, compact: bool = False
+) -> Table:
+    """The task list. ``compact`` (live views): short ids, times of day, no owner
+    or project, so that it fits an 80-column terminal."""
     # `tasks` rows carry no placement; rows built from events (watch) do.
     placed = any(t.get("host_id") for t in tasks)
-    columns = ["ID", "STATE", "WHAT", "ATTEMPT"]
-    columns += ["HOST", "DEVICE"] if placed else []
-    table = _table(*columns, "OWNER", "PROJECT", "UPDATED", title=title)
+    columns = ["TASK" if compact else "ID", "STATE", "WHAT", "TRY" if compact else "ATTEMPT"]
+    with_device = any(t.get("device_id") for t in tasks)
+    columns += ["HOST"] if placed else []
+    columns += ["DEVICE"] if with_device else []
+    columns += ["UPDATED"] if compact else ["OWNER", "PROJECT", "UPDATED"]
+    table = Table(title=title, show_edge=False, pad_edge=False, header_style="bold")
+    for name in columns:
+        if name == "ID":
+            table.add_column(name, no_wrap=True, min_width=36)
+        elif name in ("TASK", "STATE", "UPDATED"):
+            table.add_column(name, no_wrap=True, min_width=8)
+        elif name == "WHAT":
+            table.add_column(
+                name, no_wrap=True, overflow="ellipsis", max_width=18 if compact else 40
+            )
+        else:
+            table.add_column(name, no_wrap=True)
     for t in tasks:
+        task_id = cell(t.get("id"))
         row: list[str | Text] = [
-            cell(t.get("id")),
+            task_id[:8] if compact else task_id,
             state_text(t.get("state")),
             escape(what(t)),
             f"{cell(t.get('attempt'))}/{cell(t.get('max_attempts'))}",
         ]
         if placed:
-            row += [cell(t.get("host_id")), cell(t.get("device_id"))]
-        row += [cell(t.get("owner")), cell(t.get("project")), when(t.get("updated_at"))]
+            row.append(cell(t.get("host_id")))
+        if with_device:
+            row.append(cell(t.get("device_id")))
+        if compact:
+            row.append(when(t.get("updated_at"))[-8:])
+        else:
+            row += [cell(t.get("owner")), cell(t.get("project")), when(t.get("updated_at"))]
         table.add_row(*row)
     return table
 
@@ -305,8 +329,10 @@ def print_kv(pairs: Iterable[tuple[str, Any]]) -> None:
 
 
 def event_line(event: Mapping[str, Any]) -> str:
+    where = cell(event.get("host_id"))
+    if event.get("device_id"):
+        where += f"/{event['device_id']}"
     return (
         f"{when(event.get('at'))}  {cell(event.get('task_id'))}  "
-        f"{cell(event.get('state')):<10}  attempt {cell(event.get('attempt'))}  "
-        f"{cell(event.get('host_id'))}/{cell(event.get('device_id'))}"
+        f"{cell(event.get('state')):<10}  attempt {cell(event.get('attempt'))}  {where}"
     )

@@ -78,22 +78,25 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def stop_signals() -> Iterator[threading.Event]:
-    """An event set by SIGINT or SIGTERM. The handlers stay in place until the
-    block ends, so a second Ctrl-C during shutdown does not abandon children."""
+    """An event set by SIGINT, SIGTERM or SIGHUP (the terminal went away: without
+    a handler Python would die at once and orphan its children). The handlers
+    stay in place until the block ends, so a second Ctrl-C during shutdown does
+    not abandon children."""
     stop = threading.Event()
 
     def handler(signum: int, frame: object) -> None:
         if stop.is_set():
-            print("fleetlease: already stopping", flush=True)
+            with contextlib.suppress(OSError):
+                print("fleetlease: already stopping", flush=True)
         stop.set()
 
-    old_int = signal.signal(signal.SIGINT, handler)
-    old_term = signal.signal(signal.SIGTERM, handler)
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.signal(s, handler) for s in signals}
     try:
         yield stop
     finally:
-        signal.signal(signal.SIGINT, old_int)
-        signal.signal(signal.SIGTERM, old_term)
+        for s, previous in old.items():
+            signal.signal(s, previous)
 
 
 def wait(stop: threading.Event) -> None:
@@ -137,7 +140,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     asyncio.run(system.run())
                 finally:
                     stop.set()
-                print("fleetlease up: stopped", flush=True)
+                _say("fleetlease up: stopped")
         finally:
             if log_file is not None:
                 configure_logging(debug=settings.debug)
@@ -153,6 +156,12 @@ LOCAL_HOST = "local"
 AGENT_STOP_GRACE_S = 30.0
 HOST_LIVE_TIMEOUT_S = 30.0
 HANG_GOAL = "wait for a dialog that never comes"
+
+
+def _say(text: str, *, err: bool = False) -> None:
+    """Print, unless the terminal is gone (SIGHUP): stopping must go on regardless."""
+    with contextlib.suppress(OSError, ValueError):
+        print(text, file=sys.stderr if err else sys.stdout, flush=True)
 
 
 def _write_secret(path: Path, value: str) -> None:
@@ -220,7 +229,7 @@ class LocalSystem:
             await self.announce(context)
             await self.supervise(stopped)
         finally:
-            print("fleetlease up: stopping", flush=True)
+            _say("fleetlease up: stopping")
             self.stop.set()
             await self.stop_agent()
             await self.service.stop()
@@ -406,11 +415,10 @@ class LocalSystem:
                 if stopped.done() or self.agent is None or self.agent.returncode is None:
                     continue
                 code = self.agent.returncode
-                print(
+                _say(
                     f"fleetlease up: the agent exited ({code}); restarting it in {delay:g}s "
                     f"(log: {self.log_dir / 'agent.log'})",
-                    file=sys.stderr,
-                    flush=True,
+                    err=True,
                 )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(stopped), delay)
@@ -442,9 +450,7 @@ class LocalSystem:
             live = Live(console=render.console(), auto_refresh=False)
             live.start()
         else:
-            self.service.control_plane.add_listener(
-                lambda e: print(render.event_line(e), flush=True)
-            )
+            self.service.control_plane.add_listener(lambda e: _say(render.event_line(e)))
         try:
             while True:
                 try:
@@ -457,9 +463,12 @@ class LocalSystem:
                         hanging.remove((due, task_id))
                         await api.handle("cancel", token, {"id": task_id})
                     if live is not None:
-                        tasks = await api.handle("tasks", token, {"limit": 25})
+                        rows = max(5, min(25, live.console.height - 6))
+                        tasks = await api.handle("tasks", token, {"limit": rows})
                         live.update(
-                            render.tasks_table(tasks, title="fleetlease up --demo (Ctrl-C stops)"),
+                            render.tasks_table(
+                                tasks, title="fleetlease up --demo (Ctrl-C stops)", compact=True
+                            ),
                             refresh=True,
                         )
                 except RepositoryError as exc:
@@ -468,7 +477,8 @@ class LocalSystem:
                 await asyncio.sleep(rng.uniform(0.3, 1.0))
         finally:
             if live is not None:
-                live.stop()
+                with contextlib.suppress(OSError, ValueError):
+                    live.stop()
 
 
 def demo_task(rng: random.Random) -> dict[str, Any]:

@@ -648,6 +648,12 @@ def cmd_watch(args: argparse.Namespace) -> int:
                     break
                 seen += 1
                 if display is not None:
+                    if event["task_id"] not in display.rows:
+                        # A task new to the table: show what it is, not just its id.
+                        with contextlib.suppress(CliError):
+                            display.rows[event["task_id"]] = await client.call(
+                                "task_show", id=event["task_id"]
+                            )
                     display.apply(event)
                 elif args.json:
                     render.print_json_line(event)
@@ -672,17 +678,19 @@ class _LiveTasks:
         self.rows = rows
         self.limit = limit
         self.title = title
+        self.live: Live | None = None
         self.live = Live(self.render(), console=render.console(), auto_refresh=False)
 
     def render(self) -> Any:
+        rows = max(5, min(self.limit, self.live.console.height - 6)) if self.live else self.limit
         ordered = sorted(
             self.rows.values(), key=lambda t: str(t.get("updated_at") or ""), reverse=True
-        )[: self.limit]
+        )[:rows]
         counts: dict[str, int] = {}
         for t in self.rows.values():
             counts[str(t.get("state"))] = counts.get(str(t.get("state")), 0) + 1
         summary = "  ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-        return render.tasks_table(ordered, title=f"{self.title}  ({summary})")
+        return render.tasks_table(ordered, title=f"{self.title}  ({summary})", compact=True)
 
     def apply(self, event: dict[str, Any]) -> None:
         row = self.rows.setdefault(event["task_id"], {"id": event["task_id"]})
@@ -699,12 +707,15 @@ class _LiveTasks:
         self.refresh()
 
     def refresh(self) -> None:
+        assert self.live is not None
         self.live.update(self.render(), refresh=True)
 
     def start(self) -> None:
+        assert self.live is not None
         self.live.start()
 
     def stop(self) -> None:
+        assert self.live is not None
         self.live.stop()
 
 
