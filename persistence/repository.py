@@ -2344,11 +2344,11 @@ class Repository:
             raise Invalid("lines must be a sequence of at most 10000 strings", field="lines")
         for line in lines:
             _check_str(line, "lines", max_len=65536, empty=True)
-        if not lines:
-            return 0
-
         async def run(conn: AsyncConnection, now: datetime) -> int:
+            # Fenced even for an empty batch: a revoked or foreign host gets its error.
             await self._own_attempt(conn, session, tid, attempt)
+            if not lines:
+                return 0
             seqs = list(range(first_seq, first_seq + len(lines)))
             r = _unnest("r", seq=(sa.BigInteger, seqs), line=(sa.Text, list(lines)))
             inserted = await conn.execute(

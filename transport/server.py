@@ -927,9 +927,7 @@ class Server:
             return
         if origin == self._instance or not isinstance(hosts, list):
             return
-        wake = getattr(self.cp, "wake_hosts", None) or getattr(self.cp, "_wake_hosts", None)
-        if callable(wake):
-            wake([h for h in hosts if isinstance(h, str)])
+        self.cp.wake_hosts([h for h in hosts if isinstance(h, str)])
 
 
 def _background(coro: Awaitable[None]) -> None:
