@@ -123,6 +123,8 @@ class ControlPlaneLike(Protocol):
 
     def add_listener(self, listener: Callable[[Any], None]) -> Any: ...
 
+    def wake_hosts(self, hosts: list[str]) -> None: ...
+
 
 class OpsHandler(Protocol):
     """The user API behind the ops subjects (``ops/api.py``). ``handle`` returns
