@@ -442,6 +442,7 @@ class LocalSystem:
         token = self.admin_token
         rng = random.Random()
         hanging: list[tuple[float, str]] = []
+        submitted = 0
         loop = asyncio.get_running_loop()
         live = None
         if render.is_tty(sys.stdout):
@@ -454,7 +455,8 @@ class LocalSystem:
         try:
             while True:
                 try:
-                    args = demo_task(rng)
+                    args = demo_task(rng, submitted)
+                    submitted += 1
                     data = await api.handle("submit", token, args)
                     if args.get("goal") == HANG_GOAL:
                         hanging.append((loop.time() + 4.0, data["id"]))
@@ -481,10 +483,14 @@ class LocalSystem:
                     live.stop()
 
 
-def demo_task(rng: random.Random) -> dict[str, Any]:
-    """One demo task: mostly quick successes, some workflows, failures, retries
-    and hangs (cancelled a few seconds later)."""
-    roll = rng.random()
+#: The first demo tasks show one of each kind, so every outcome appears at once.
+_FIRST_ROLLS = (0.0, 0.95, 0.7, 0.8, 0.55)
+
+
+def demo_task(rng: random.Random, n: int = len(_FIRST_ROLLS)) -> dict[str, Any]:
+    """The ``n``-th demo task: mostly quick successes, some workflows, failures,
+    retries and hangs (cancelled a few seconds later)."""
+    roll = _FIRST_ROLLS[n] if n < len(_FIRST_ROLLS) else rng.random()
     quick = {"duration_s": round(rng.uniform(0.5, 3.0), 1), "log_lines": 3}
     if roll < 0.5:
         return {"goal": "open settings", "payload": {"sim": quick}}

@@ -72,11 +72,12 @@ class Up:
     log: Path
     proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, *, demo: bool = False) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+        argv = [sys.executable, "-m", "ops.cli", "up", "--state-dir", str(self.state_dir)]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ops.cli", "up", "--state-dir", str(self.state_dir)],
+                [*argv, "--demo"] if demo else argv,
                 cwd=REPO,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -245,3 +246,30 @@ def test_a_second_up_on_the_same_state_dir_refuses_to_start(up: Up) -> None:
     assert len(second.stderr.strip().splitlines()) == 1
     assert up.interrupt() == 0
     assert processes_using(up.state_dir) == []
+
+
+def test_up_demo_shows_tasks_done_failed_retried_and_cancelled(
+    up: Up, capsys: pytest.CaptureFixture[str]
+) -> None:
+    up.start(demo=True)
+    up.wait_ready()
+
+    def tasks() -> list[dict[str, Any]]:
+        run = fleetlease(capsys, up.state_dir, "tasks", "--json", "--limit", "500")
+        return run.json() if run.code == 0 else []
+
+    def outcomes(ts: list[dict[str, Any]]) -> set[tuple[str, int]]:
+        return {(t["state"], t["attempt"]) for t in ts}
+
+    seen = wait_for(
+        tasks,
+        lambda ts: {("done", 1), ("failed", 1), ("failed", 3), ("cancelled", 1)} <= outcomes(ts),
+        120,
+        "demo tasks done, failed, failed after 3 attempts (retried), cancelled",
+    )
+    assert {t["kind"] for t in seen} == {"goal", "workflow"}
+    assert up.interrupt() == 0, up.log.read_text()
+    assert processes_using(up.state_dir) == []
+    # Without a terminal the demo prints one line per state change.
+    out = up.log.read_text()
+    assert " retrying " in out and " cancelled " in out
