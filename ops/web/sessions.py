@@ -1,0 +1,161 @@
+"""Server-side sign-in sessions and the CSRF checks of the web console.
+
+The user token never leaves the server once signed in: the browser holds only a
+random session id in an HttpOnly, SameSite=Strict cookie, and the store keeps
+that id's SHA-256 (so a dump of the store cannot be replayed as cookies) next
+to the token, the user's name and the session's CSRF token. Sessions live in
+memory: restarting the console signs everyone out, which is the safe failure.
+
+CSRF: every state-changing request must come from our own origin (``Origin``,
+else ``Referer``; neither is refused) and carry the synchronizer token of its
+session in the form (or, before sign-in, the double-submit cookie's value).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+SESSION_COOKIE = "fleetlease_session"
+LOGIN_CSRF_COOKIE = "fleetlease_login_csrf"
+
+
+def new_secret() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def _key(session_id: str) -> str:
+    return hashlib.sha256(session_id.encode()).hexdigest()
+
+
+@dataclass
+class Session:
+    user: str
+    platform_admin: bool
+    token: str = field(repr=False)
+    csrf: str = field(repr=False)
+    created: float
+    last_used: float
+    #: One-shot notices shown by the next page (kind, text), e.g. a cancel's outcome.
+    flashes: list[tuple[str, str]] = field(default_factory=list)
+
+    def flash(self, kind: str, text: str) -> None:
+        self.flashes.append((kind, text))
+
+    def take_flashes(self) -> list[tuple[str, str]]:
+        out, self.flashes = self.flashes, []
+        return out
+
+
+class SessionStore:
+    """In-memory sessions, ended after ``idle_s`` without use or ``max_age_s`` in all."""
+
+    def __init__(
+        self,
+        *,
+        idle_s: float = 12 * 3600.0,
+        max_age_s: float = 7 * 86400.0,
+        max_sessions: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if idle_s <= 0 or max_age_s <= 0:
+            raise ValueError("idle_s and max_age_s must be positive")
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1")
+        self.idle_s = idle_s
+        self.max_age_s = max_age_s
+        self.max_sessions = max_sessions
+        self._clock = clock
+        self._sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def create(self, *, token: str, user: str, platform_admin: bool) -> tuple[str, Session]:
+        """A new session; returns the cookie value (shown to nobody else) and the session."""
+        self._purge()
+        if len(self._sessions) >= self.max_sessions:
+            # Evict the least recently used rather than refuse a sign-in.
+            oldest = min(self._sessions, key=lambda k: self._sessions[k].last_used)
+            del self._sessions[oldest]
+        now = self._clock()
+        session_id = new_secret()
+        session = Session(
+            user=user,
+            platform_admin=platform_admin,
+            token=token,
+            csrf=new_secret(),
+            created=now,
+            last_used=now,
+        )
+        self._sessions[_key(session_id)] = session
+        return session_id, session
+
+    def get(self, session_id: str | None) -> Session | None:
+        if not session_id:
+            return None
+        key = _key(session_id)
+        session = self._sessions.get(key)
+        if session is None:
+            return None
+        now = self._clock()
+        if self._expired(session, now):
+            del self._sessions[key]
+            return None
+        session.last_used = now
+        return session
+
+    def drop(self, session_id: str | None) -> None:
+        if session_id:
+            self._sessions.pop(_key(session_id), None)
+
+    def drop_token(self, token: str) -> None:
+        """End every session signed in with ``token`` (it was refused: revoked)."""
+        for key in [k for k, s in self._sessions.items() if hmac.compare_digest(s.token, token)]:
+            del self._sessions[key]
+
+    def tokens(self) -> Iterable[str]:
+        return (s.token for s in self._sessions.values())
+
+    def _expired(self, session: Session, now: float) -> bool:
+        return now - session.last_used > self.idle_s or now - session.created > self.max_age_s
+
+    def _purge(self) -> None:
+        now = self._clock()
+        for key in [k for k, s in self._sessions.items() if self._expired(s, now)]:
+            del self._sessions[key]
+
+
+def tokens_match(expected: str | None, given: str | None) -> bool:
+    if not expected or not given:
+        return False
+    return hmac.compare_digest(expected.encode(), given.encode())
+
+
+def origin_of(url: str) -> str | None:
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return None
+    if not parts.scheme or not parts.netloc:
+        return None
+    return f"{parts.scheme}://{parts.netloc}".lower()
+
+
+def same_origin(
+    *, origin: str | None, referer: str | None, own: str, allowed: Iterable[str] = ()
+) -> bool:
+    """Whether a state-changing request comes from one of our own origins. A
+    browser sends ``Origin`` with every POST; ``Referer`` is the fallback; a
+    request with neither (or ``Origin: null``) is refused."""
+    claimed = origin_of(origin) if origin and origin != "null" else None
+    if claimed is None and not origin and referer:
+        claimed = origin_of(referer)
+    if claimed is None:
+        return False
+    return claimed in {own.lower(), *(a.lower().rstrip("/") for a in allowed)}
