@@ -39,7 +39,12 @@ EXIT_BY_CODE = {
     "unavailable": EXIT_UNAVAILABLE,
 }
 
-COMMAND_MODULES = ["ops.commands.system", "ops.commands.agent", "ops.commands.user"]
+COMMAND_MODULES = [
+    "ops.commands.system",
+    "ops.commands.agent",
+    "ops.commands.user",
+    "ops.commands.web",
+]
 
 EPILOG = """exit codes:
   0 success, 1 unexpected error, 2 usage error, 3 unauthorized or forbidden,
