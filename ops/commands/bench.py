@@ -1,0 +1,203 @@
+"""``fleetlease bench``: the whole system measured on this machine, beside its
+calibration (pgbench, the NATS round trip) and, with ``--peers``, beside
+procrastinate and pgqueuer. Prints a table, or the report as JSON with ``--json``.
+
+Without ``--database-url`` / ``--nats-url`` it starts embedded servers for the run.
+Every database it uses is a scratch one created and dropped on that server.
+What each figure means: ``ops/bench.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import Any
+
+from ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark the whole system here (throughput, latency, renewals, recovery)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--hosts", type=int, default=4, help="simulated agents (default 4)")
+    p.add_argument(
+        "--devices-per-host", type=int, default=16, help="devices of each agent (default 16)"
+    )
+    p.add_argument("--tasks", type=int, default=5000, help="zero-duration tasks (default 5000)")
+    p.add_argument(
+        "--renew-leases",
+        type=int,
+        default=10_000,
+        help="leases held open in the renewal cell (default 10000; 0 skips it and recovery)",
+    )
+    p.add_argument(
+        "--renew-period-s",
+        type=float,
+        default=10.0,
+        help="renewal period of each lease in the paced renewal run (default 10)",
+    )
+    p.add_argument(
+        "--renew-burst-s", type=float, default=5.0, help="length of the renewal burst (default 5)"
+    )
+    p.add_argument(
+        "--recovery-leases",
+        type=int,
+        default=1000,
+        help="active leases when the control plane is killed (default 1000; 0 skips it)",
+    )
+    p.add_argument(
+        "--calibration-s", type=float, default=10.0, help="length of each pgbench run (default 10)"
+    )
+    p.add_argument(
+        "--peers", action="store_true", help="also run procrastinate and pgqueuer (extra 'bench')"
+    )
+    p.add_argument(
+        "--database-url",
+        help="a PostgreSQL server where scratch databases may be created "
+        "(env FLEETLEASE_DATABASE_URL; embedded when not given)",
+    )
+    p.add_argument("--nats-url", help="NATS URL (env FLEETLEASE_NATS_URL; embedded when not given)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ops.bench import BenchError, BenchOptions, run
+    from ops.render import is_tty, print_json
+
+    try:
+        renew = args.renew_leases
+        opts = BenchOptions(
+            hosts=args.hosts,
+            devices_per_host=args.devices_per_host,
+            tasks=args.tasks,
+            renew_leases=renew,
+            recovery_leases=min(args.recovery_leases, renew),
+            renew_period_s=args.renew_period_s,
+            renew_burst_s=args.renew_burst_s,
+            calibration_s=args.calibration_s,
+            peers=args.peers,
+            database_url=args.database_url or os.environ.get("FLEETLEASE_DATABASE_URL") or None,
+            nats_url=args.nats_url or os.environ.get("FLEETLEASE_NATS_URL") or None,
+            progress=_progress if is_tty(sys.stderr) else None,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from exc
+    _quiet_logs()
+    try:
+        report = asyncio.run(run(opts))
+    except BenchError as exc:
+        raise CliError(str(exc), EXIT_UNAVAILABLE) from exc
+    if args.json:
+        print_json(report)
+    else:
+        print_report(report)
+    return EXIT_OK
+
+
+def _progress(text: str) -> None:
+    print(f"bench: {text}", file=sys.stderr, flush=True)
+
+
+def _quiet_logs() -> None:
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+
+
+def _f(value: Any, unit: str = "", digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}{unit}"
+    return f"{value}{unit}"
+
+
+def _lat(d: dict[str, Any] | None) -> str:
+    if not d or not d.get("n"):
+        return "-"
+    return f"{d['p50_ms']:.2f} / {d['p99_ms']:.2f} / {d['max_ms']:.2f} ms"
+
+
+def print_report(r: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from ops.render import console
+
+    s = r["setup"]
+    table = Table(
+        title=(
+            f"fleetlease bench: {s['hosts']} hosts x {s['devices_per_host']} devices, "
+            f"{s['tasks']} tasks ({s['control_plane']}; agents {s['agents']})"
+        ),
+        show_lines=False,
+    )
+    table.add_column("cell")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    cal = r["calibration"]
+    pg = cal.get("pgbench", {})
+    table.add_row("calibration", "pgbench simple-update TPS, 1 client", _f(pg.get("tps_1")))
+    table.add_row("", "pgbench simple-update TPS, 8 clients", _f(pg.get("tps_8")))
+    table.add_row(
+        "", "transition ceiling (TPS 8 / 5), tasks/s", _f(cal.get("transition_ceiling_tasks_per_s"))
+    )
+    table.add_row("", "NATS request/reply p50 / p99 / max", _lat(cal.get("nats_round_trip")))
+    tp = r["throughput"]
+    table.add_row("throughput", "tasks/s (submit to done)", _f(tp["tasks_per_s"]))
+    table.add_row("", "commits per task", _f(tp["commits_per_task"], digits=2))
+    table.add_row("", "control-plane CPU per task", _f(tp["cpu_s_per_task"] * 1000, " ms", 3))
+    table.add_row("", "control-plane peak RSS", _f(tp["peak_rss_mib"], " MiB"))
+    table.add_row("", "assignment latency, saturated", _lat(tp["saturated"]["assignment"]))
+    table.add_row("", "dispatch latency, saturated", _lat(tp["saturated"]["dispatch"]))
+    half = tp["at_half_throughput"]
+    table.add_row("", f"assignment latency at {half['rate_per_s']:.0f}/s", _lat(half["assignment"]))
+    table.add_row("", f"dispatch latency at {half['rate_per_s']:.0f}/s", _lat(half["dispatch"]))
+    rn = r.get("renewals")
+    if rn:
+        table.add_row("renewals", "active leases", _f(rn["leases"]))
+        table.add_row("", "RSS per active lease", _f(rn["rss_per_lease_kib"], " KiB"))
+        table.add_row("", "renewals/s, burst", _f(rn["burst_renewals_per_s"]))
+        table.add_row(
+            "", "CPU per renewal, burst", _f(rn["burst_cpu_s_per_renewal"] * 1000, " ms", 3)
+        )
+        table.add_row("", "commits per renewal, burst", _f(rn["burst_commits_per_renewal"], "", 3))
+        table.add_row(
+            "",
+            f"control-plane cores, every lease each {rn['period_s']:g} s",
+            _f(rn["paced_control_plane_cpu_cores"], "", 3),
+        )
+        table.add_row("", "renew round trip, paced", _lat(rn["paced_round_trip"]))
+    rc = r.get("recovery")
+    if rc:
+        table.add_row(
+            "recovery", f"SIGKILL with {rc['leases']} leases: restart", _f(rc["restart_s"], " s", 2)
+        )
+        table.add_row("", "until every lease served again", _f(rc["all_leases_served_s"], " s", 2))
+        table.add_row("", "lost / duplicated tasks", f"{rc['lost']} / {rc['duplicated']}")
+    peers = r.get("peers")
+    if peers:
+        for name in ("procrastinate", "pgqueuer"):
+            p = peers.get(name, {})
+            table.add_row(
+                "peers" if name == "procrastinate" else "",
+                f"{name} jobs/s (concurrency {peers['concurrency']})",
+                p.get("error") or _f(p.get("jobs_per_s")),
+            )
+    ratios = r.get("ratios", {})
+    table.add_row(
+        "ratios", "ours / transition ceiling", _f(ratios.get("of_transition_ceiling"), "", 2)
+    )
+    for name in ("procrastinate", "pgqueuer"):
+        if f"vs_{name}" in ratios:
+            table.add_row("", f"ours / {name}", _f(ratios.get(f"vs_{name}"), "", 2))
+    console().print(table)
