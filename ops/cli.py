@@ -43,6 +43,7 @@ COMMAND_MODULES = [
     "ops.commands.system",
     "ops.commands.agent",
     "ops.commands.user",
+    "ops.commands.bench",
     "ops.commands.web",
 ]
 
