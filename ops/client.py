@@ -166,10 +166,14 @@ def normalize_event(raw: Any) -> dict[str, Any] | None:
     }
 
 
-async def task_events(client: OpsClient) -> AsyncGenerator[dict[str, Any], None]:
+async def task_events(
+    client: OpsClient, *, subscribed: asyncio.Event | None = None
+) -> AsyncGenerator[dict[str, Any], None]:
     """State changes of the tasks this user may read. The event subject is shared
     by everyone, so each new task id is checked once with ``task_show`` (which
-    enforces the roles) and events of tasks the user may not read are dropped."""
+    enforces the roles) and events of tasks the user may not read are dropped.
+    ``subscribed`` is set once the server has the subscription: every event
+    published after that is seen (a live view can say "live" truthfully)."""
     import msgpack
 
     queue: asyncio.Queue[bytes] = asyncio.Queue()
@@ -180,6 +184,9 @@ async def task_events(client: OpsClient) -> AsyncGenerator[dict[str, Any], None]
     sub = await client.nc.subscribe(client.subjects.events_task(), cb=on_msg)
     readable: dict[str, bool] = {}
     try:
+        if subscribed is not None:
+            await client.nc.flush(timeout=max(1, int(client.timeout_s)))
+            subscribed.set()
         while True:
             data = await queue.get()
             try:
