@@ -1,0 +1,96 @@
+"""``fleetlease bench`` with tiny sizes, as a subprocess: the JSON report has the
+documented shape. The figures themselves are never checked (no timing in tests);
+they go into the README."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+LATENCY_KEYS = {"n", "p50_ms", "p99_ms", "max_ms"}
+
+
+@pytest.mark.timeout(300)
+def test_bench_with_tiny_sizes_prints_a_report_of_every_cell(
+    pg_server_url: str, nats_url: str
+) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ops.cli",
+            "bench",
+            "--hosts",
+            "1",
+            "--devices-per-host",
+            "2",
+            "--tasks",
+            "20",
+            "--renew-leases",
+            "6",
+            "--recovery-leases",
+            "3",
+            "--renew-period-s",
+            "0.5",
+            "--renew-burst-s",
+            "0.5",
+            "--calibration-s",
+            "1",
+            "--database-url",
+            pg_server_url,
+            "--nats-url",
+            nats_url,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=280,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+
+    assert report["schema"] == 1
+    assert report["setup"]["hosts"] == 1 and report["setup"]["tasks"] == 20
+    assert {"agents", "control_plane"} <= set(report["setup"])
+    cal = report["calibration"]
+    assert set(cal["nats_round_trip"]) == LATENCY_KEYS
+    assert {"transition_ceiling_tasks_per_s", "pgbench"} <= set(cal)
+
+    tp = report["throughput"]
+    assert tp["tasks"] == 20
+    for key in ("tasks_per_s", "cpu_s_per_task", "commits_per_task", "peak_rss_mib"):
+        assert isinstance(tp[key], int | float) and tp[key] > 0, key
+    for block in (tp["saturated"], tp["at_half_throughput"]):
+        assert set(block["assignment"]) == LATENCY_KEYS
+        assert set(block["dispatch"]) == LATENCY_KEYS
+        assert block["assignment"]["n"] > 0 and block["dispatch"]["n"] > 0
+
+    rn = report["renewals"]
+    assert rn["leases"] == 6
+    for key in (
+        "rss_per_lease_kib",
+        "burst_renewals_per_s",
+        "burst_cpu_s_per_renewal",
+        "burst_commits_per_renewal",
+        "paced_control_plane_cpu_cores",
+    ):
+        assert key in rn, key
+    assert set(rn["paced_round_trip"]) == LATENCY_KEYS
+
+    rc = report["recovery"]
+    assert rc["leases"] == 3
+    assert rc["lost"] == 0 and rc["duplicated"] == 0
+    assert rc["all_leases_served_s"] >= rc["restart_s"] >= 0
+
+    assert "of_transition_ceiling" in report["ratios"]
+    assert "peers" not in report
