@@ -1398,15 +1398,25 @@ class Agent:
             rng=self._rng,
         )
         delay = interval
+        loop = asyncio.get_running_loop()
+        # The lease as far as this agent can vouch for it: lease_s after the last
+        # answered renewal, counted from when it was sent (the control plane's
+        # deadline is never earlier). Past it the lease is lost even when nobody
+        # can say so (a partition): stop the runner rather than run on unleased.
+        valid_until = loop.time() + rec.lease_s
         while True:
             if await self._sleep(delay, att.lost):
                 return
+            sent = loop.time()
             try:
                 reply = await self._renew_once(att, timeout_s=max(interval, 1.0))
             except _Aborted:
                 return
             except RemoteError as exc:
                 if exc.code in _TRANSIENT_CODES:
+                    if loop.time() >= valid_until and not att.reporting:
+                        self._lease_lost(att, "lease expired locally: no renewal answered")
+                        return
                     delay = min(backoff.next_delay(), interval)
                     log.warning(
                         "renew_failed",
@@ -1424,6 +1434,7 @@ class Agent:
                 return
             backoff.reset()
             delay = interval
+            valid_until = sent + rec.lease_s
             if reply.cancel_requested and not att.reporting:
                 self._request_cancel(att)
 
