@@ -34,6 +34,7 @@ import struct
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -118,6 +119,8 @@ class FaultProxy:
         self._server: asyncio.Server | None = None
         self._conns: set[_Conn] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._closing = False
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._refusing = False
@@ -142,9 +145,16 @@ class FaultProxy:
         if self._server is not None:
             self._server.close()
             self._server = None
+        # Connection handlers end by themselves once their connection is aborted
+        # (cancelling a start_server handler makes asyncio log an error).
+        self._closing = True
         for conn in list(self._conns):
             conn.abort()
-        tasks = list(self._tasks)
+        self._flowing.set()
+        handlers = list(self._handlers)
+        if handlers:
+            await asyncio.wait(handlers, timeout=5)
+        tasks = list(self._tasks) + [h for h in handlers if not h.done()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -225,9 +235,9 @@ class FaultProxy:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         if task is not None:
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        if self._refusing:
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
+        if self._refusing or self._closing:
             self.stats.refused += 1
             _rst(writer)
             return
@@ -237,7 +247,7 @@ class FaultProxy:
         try:
             # Behind a blackhole the connection goes nowhere until it heals.
             await self._flowing.wait()
-            if conn.done.is_set():
+            if conn.done.is_set() or self._closing:
                 return
             try:
                 up_reader, up_writer = await self._open_upstream()
