@@ -7,8 +7,9 @@ Payload of a goal task::
     {"sim": {"duration_s": 0.1, "outcome": "done", "log_lines": 0, "artifact_bytes": 0}}
 
 ``outcome`` is one of ``done``, ``failed``, ``retryable`` (failed, retryable),
-``hang`` (never finishes until cancelled) or ``crash`` (raises ``RuntimeError``,
-on purpose, to exercise ``run_safely``). Every field is optional; unknown
+``hang`` (never finishes until cancelled), ``crash`` (raises ``RuntimeError``,
+on purpose, to exercise ``run_safely``) or ``kill_agent`` (SIGKILLs the agent
+process after the duration: a poison task, for the fault suite). Every field is optional; unknown
 fields are ignored. A workflow task's payload is ``{"steps": [<sim dict>, ...]}``.
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -31,8 +34,8 @@ __all__ = [
     "parse_sim",
 ]
 
-SimOutcome = Literal["done", "failed", "retryable", "hang", "crash"]
-_SIM_OUTCOMES: tuple[str, ...] = ("done", "failed", "retryable", "hang", "crash")
+SimOutcome = Literal["done", "failed", "retryable", "hang", "crash", "kill_agent"]
+_SIM_OUTCOMES: tuple[str, ...] = ("done", "failed", "retryable", "hang", "crash", "kill_agent")
 
 #: The artifact is built in memory; a payload must not be able to exhaust the host.
 MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
@@ -134,6 +137,8 @@ async def _run_step(ctx: RunContext, spec: SimSpec, *, label: str, artifact_name
         return False
     if spec.outcome == "crash":
         raise RuntimeError(f"{label}: simulated crash")
+    if spec.outcome == "kill_agent":
+        os.kill(os.getpid(), signal.SIGKILL)
     return True
 
 
