@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -26,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import structlog
 
 from ops import render
 from ops.cli import (
@@ -37,6 +40,7 @@ from ops.cli import (
 )
 from ops.client import DEFAULT_TIMEOUT_S, OpsClient, OpsError, normalize_event, task_events
 from ops.config import Settings, from_args, read_context
+from ops.logging import configure_logging
 from transport import wire
 
 SUBMIT_CHUNK = 100
@@ -576,6 +580,10 @@ def run_direct(args: argparse.Namespace, body: Callable[[Any], Any]) -> Any:
     from ops.system import AlreadyRunning, Services, Unreachable, check_database, single_instance
 
     settings = from_args(args)
+    configure_logging(debug=settings.debug)
+    if not settings.debug:
+        # stdout is the data; embedded-server chatter stays out of the way.
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
     async def with_repo(url: str) -> Any:
         from persistence.db import create_engine
