@@ -622,16 +622,18 @@ class Web:
         )
 
     async def _stream(self, session: Session, only: str | None) -> AsyncIterator[str]:
-        """``task`` events (the allow-listed fields of ``ops.client.normalize_event``),
-        a comment line when idle, and ``end`` when the console stops or the
-        session's token stops being accepted."""
+        """``ready`` once subscribed, then ``task`` events (the allow-listed fields
+        of ``ops.client.normalize_event``), a comment line when idle, and ``end``
+        when the console stops or the session's token stops being accepted."""
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=10_000)
         client = self.client(session)
         keepalive = self.console.settings.keepalive_s
 
+        subscribed = asyncio.Event()
+
         async def pump() -> None:
             try:
-                async for event in task_events(client):
+                async for event in task_events(client, subscribed=subscribed):
                     if only is None or event["task_id"] == only:
                         with contextlib.suppress(asyncio.QueueFull):
                             queue.put_nowait(event)
@@ -644,7 +646,15 @@ class Web:
         pumping = asyncio.create_task(pump())
         closing = asyncio.create_task(self.console.closing.wait())
         try:
-            yield "retry: 2000\n\n"
+            # "ready" (the page then says "live" and re-reads what it shows)
+            # only once the subscription is in place: no later event is missed.
+            ready = asyncio.create_task(subscribed.wait())
+            await asyncio.wait({ready, pumping, closing}, return_when=asyncio.FIRST_COMPLETED)
+            ready.cancel()
+            if not subscribed.is_set():
+                yield "event: end\ndata: {}\n\n"
+                return
+            yield "retry: 2000\nevent: ready\ndata: {}\n\n"
             while True:
                 getting = asyncio.create_task(queue.get())
                 done, _ = await asyncio.wait(

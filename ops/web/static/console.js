@@ -36,7 +36,8 @@
 
   function listen(url, onTask, onOpen) {
     const source = new EventSource(url);
-    source.addEventListener("open", () => { setLive(true); onOpen(); });
+    // "ready" comes once the server is subscribed (after every (re)connect).
+    source.addEventListener("ready", () => { setLive(true); onOpen(); });
     source.addEventListener("error", () => setLive(false));
     source.addEventListener("end", () => { source.close(); setLive(false); });
     source.addEventListener("task", (message) => {
