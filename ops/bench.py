@@ -148,6 +148,19 @@ async def _until(predicate: Callable[[], bool], timeout_s: float, what: str) -> 
         await asyncio.sleep(0.01)
 
 
+async def _until_all(
+    count: Callable[[], int], total: int, what: str, stall_s: float = 60.0
+) -> None:
+    """Wait until ``count() == total``; give up only when it stops moving."""
+    last, moved = -1, time.monotonic()
+    while (n := count()) < total:
+        if n != last:
+            last, moved = n, time.monotonic()
+        elif time.monotonic() - moved > stall_s:
+            raise BenchError(f"{what}: stuck at {n} of {total} for {stall_s:.0f} s")
+        await asyncio.sleep(0.01)
+
+
 async def _bounded(concurrency: int, calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
     sem = asyncio.Semaphore(concurrency)
 
@@ -633,17 +646,13 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
         ) as ops:
             # Warm-up: every device runs a task once.
             warm = await _submit(ops, opts.hosts * opts.devices_per_host)
-            await _until(lambda: events.reached(warm, "done") == len(warm), 120, "warm-up tasks")
+            await _until_all(lambda: events.reached(warm, "done"), len(warm), "warm-up tasks")
 
             _say(opts, f"throughput: {opts.tasks} tasks")
             cpu0 = serve.cpu_s()
             t0 = time.time()
             ids = await _submit(ops, opts.tasks)
-            await _until(
-                lambda: events.reached(ids, "done") == len(ids),
-                max(120.0, opts.tasks / 20),
-                "the tasks to finish",
-            )
+            await _until_all(lambda: events.reached(ids, "done"), len(ids), "tasks done")
             cpu = serve.cpu_s() - cpu0
             last = max(events.at[t]["done"] for t in ids)
             tps = len(ids) / max(last - t0, 1e-9)
@@ -664,10 +673,8 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
                 pending.add(task)
             for reply in await asyncio.gather(*pending):
                 paced_ids.append(str(reply["id"]))
-            await _until(
-                lambda: events.reached(paced_ids, "done") == len(paced_ids),
-                120,
-                "the paced tasks to finish",
+            await _until_all(
+                lambda: events.reached(paced_ids, "done"), len(paced_ids), "paced tasks done"
             )
             paced = _latencies(paced_ids, events, held_at)
         peak = serve.peak_rss()
