@@ -44,13 +44,13 @@ class ClusterError(AssertionError):
 
 
 async def wait_for(
-    probe: Callable[[], Awaitable[T] | T],
-    ok: Callable[[T], bool] = bool,
+    probe: Callable[[], Any],
+    ok: Callable[[Any], bool] = bool,
     *,
     timeout: float,
     what: str,
     interval: float = 0.1,
-) -> T:
+) -> Any:
     """Poll ``probe`` until ``ok(value)``; ClusterError naming ``what`` on timeout."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -58,8 +58,8 @@ async def wait_for(
         value = probe()
         if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
             value = await value
-        if ok(value):  # type: ignore[arg-type]
-            return value  # type: ignore[return-value]
+        if ok(value):
+            return value
         if loop.time() > deadline:
             raise ClusterError(f"timed out after {timeout:g}s waiting for {what}")
         await asyncio.sleep(interval)
@@ -187,7 +187,9 @@ class Proc:
                 )
             return found
 
-        found = await wait_for(probe, timeout=timeout, what=f"{self.name}: {name} {match}")
+        found: list[dict[str, Any]] = await wait_for(
+            probe, timeout=timeout, what=f"{self.name}: {name} {match}"
+        )
         return found[0]
 
     def tail(self, n: int = 3000) -> str:
@@ -480,7 +482,10 @@ class Cluster:
     async def wait_view(
         self, task_id: str, ok: Callable[[dict[str, Any]], bool], *, timeout: float, what: str
     ) -> dict[str, Any]:
-        return await wait_for(lambda: self.view(task_id), ok, timeout=timeout, what=what)
+        view: dict[str, Any] = await wait_for(
+            lambda: self.view(task_id), ok, timeout=timeout, what=what
+        )
+        return view
 
     async def wait_terminal(
         self, ids: Sequence[str], *, timeout: float = 90.0, sample: bool = True
@@ -492,13 +497,14 @@ class Cluster:
                 await self.observer.sample(self.engine)
             return await self.states(ids)
 
-        return await wait_for(
+        states: dict[str, str] = await wait_for(
             probe,
             lambda s: len(s) == len(ids) and all(v in TERMINAL for v in s.values()),
             timeout=timeout,
             what=f"{len(ids)} tasks terminal",
             interval=0.2,
         )
+        return states
 
     # --- what clients were told, and the checks -----------------------------------------------
     def all_agent_runs(self) -> list[Proc]:
