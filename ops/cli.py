@@ -45,6 +45,7 @@ COMMAND_MODULES = [
     "ops.commands.user",
     "ops.commands.bench",
     "ops.commands.web",
+    "ops.commands.soak",
 ]
 
 EPILOG = """exit codes:
