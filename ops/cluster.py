@@ -28,7 +28,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ops.embedded import EmbeddedNats, EmbeddedPostgres
 from ops.faultproxy import FaultProxy
-from ops.invariants import TERMINAL, Acknowledged, Observer, Report, check
+from ops.invariants import (
+    TERMINAL,
+    Acknowledged,
+    Observer,
+    Report,
+    check,
+    install_reservation_audit,
+)
 from persistence.db import create_engine
 from persistence.errors import Unavailable
 from persistence.model import RetryPolicy, TaskKind, TaskSpec
@@ -277,6 +284,7 @@ class Cluster:
                 self.pg.pgdata / ".s.PGSQL.5432", seed=self.seed, name="pg"
             ).start()
         self.engine = create_engine(self.pg.url, pool_size=4, max_overflow=4)
+        await install_reservation_audit(self.engine)
         self.repo = Repository(self.engine)
         await self.repo.add_user("admin", platform_admin=True)
         await self.repo.add_project("default", owner="admin")

@@ -18,10 +18,16 @@ Two halves:
   fingerprint; no attempt was acknowledged as finished twice with different
   results; no reservation outlives its attempt.
 
-Time ranges: every transaction stamps its rows with the clock read when it
-started, so an assignment that waited for the commit freeing its device can be
-stamped a few milliseconds before that commit. ``OVERLAP_TOLERANCE_S`` allows
-for exactly that; the snapshot check of the Observer is exact.
+Reservation history: every transaction stamps its rows with the clock read
+when it *started*, so an assignment whose transaction began before the commit
+that freed its device (a slow transaction, injected latency) carries an
+``assigned_at`` earlier than the previous attempt's ``ended_at`` although the
+two never overlapped. Attempt time ranges are therefore only a fallback (with
+``OVERLAP_TOLERANCE_S``). The fault suite installs an audit trail instead
+(:func:`install_reservation_audit`): an AFTER trigger on ``device_reservations``
+records every reserve and release with ``clock_timestamp()`` taken when the row
+changed, in the same transaction (so only committed history stays). A device or
+task reserved again before its release is then an exact violation.
 """
 
 from __future__ import annotations
@@ -45,6 +51,64 @@ REPORTED = frozenset({"done", "failed", "retryable_failure", "cancelled"})
 #: End reasons written by the reaper when a deadline passed.
 EXPIRED = {"claim_expired": "claim_deadline", "ack_expired": "ack_deadline"}
 OVERLAP_TOLERANCE_S = 0.5
+
+
+AUDIT_TABLE = "fault_reservation_audit"
+_AUDIT_DDL = [
+    f"""CREATE TABLE IF NOT EXISTS {AUDIT_TABLE} (
+        id bigserial PRIMARY KEY, op text NOT NULL, host_id text NOT NULL,
+        device_id text NOT NULL, task_id uuid NOT NULL, attempt integer NOT NULL,
+        at timestamptz NOT NULL DEFAULT clock_timestamp())""",
+    f"""CREATE OR REPLACE FUNCTION fault_audit_reservation() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        IF TG_OP IN ('DELETE', 'UPDATE') THEN
+            INSERT INTO {AUDIT_TABLE} (op, host_id, device_id, task_id, attempt)
+            VALUES ('release', OLD.host_id, OLD.device_id, OLD.task_id, OLD.attempt);
+        END IF;
+        IF TG_OP IN ('INSERT', 'UPDATE') THEN
+            INSERT INTO {AUDIT_TABLE} (op, host_id, device_id, task_id, attempt)
+            VALUES ('reserve', NEW.host_id, NEW.device_id, NEW.task_id, NEW.attempt);
+        END IF;
+        RETURN NULL;
+    END $$""",
+    "DROP TRIGGER IF EXISTS fault_audit_reservation ON device_reservations",
+    """CREATE TRIGGER fault_audit_reservation
+    AFTER INSERT OR UPDATE OR DELETE ON device_reservations
+    FOR EACH ROW EXECUTE FUNCTION fault_audit_reservation()""",
+]
+
+
+async def install_reservation_audit(engine: AsyncEngine) -> None:
+    """Record every reservation change (see the module docstring). Test and soak
+    databases only: it is not part of the schema."""
+    async with engine.begin() as conn:
+        for sql in _AUDIT_DDL:
+            await conn.execute(sa.text(sql))
+
+
+def _audit_violations(events: list[Any]) -> list[str]:
+    """Replay the audit trail: never a second reserve of a device or of a task
+    before its release."""
+    out: list[str] = []
+    by_device: dict[tuple[str, str], str] = {}
+    by_task: dict[str, str] = {}
+    for e in events:
+        device, task, who = (e.host_id, e.device_id), str(e.task_id), f"{e.task_id}#{e.attempt}"
+        if e.op == "reserve":
+            if device in by_device:
+                out.append(
+                    f"device {e.host_id}/{e.device_id} reserved for {who} at {e.at} "
+                    f"while held by {by_device[device]}"
+                )
+            if task in by_task:
+                out.append(f"task {task} reserved again ({who}) while holding {by_task[task]}")
+            by_device[device] = who
+            by_task[task] = who
+        else:
+            by_device.pop(device, None)
+            by_task.pop(task, None)
+    return out
 
 
 @dataclass
@@ -194,6 +258,25 @@ async def check(
                 dict(r)
                 for r in (await conn.execute(sa.select(tables.device_reservations))).mappings()
             ]
+            audited = bool(
+                (
+                    await conn.execute(
+                        sa.text("SELECT to_regclass(:t) IS NOT NULL"), {"t": AUDIT_TABLE}
+                    )
+                ).scalar()
+            )
+            audit: list[Any] = []
+            if audited:
+                audit = list(
+                    (
+                        await conn.execute(
+                            sa.text(
+                                "SELECT op, host_id, device_id, task_id, attempt, at "
+                                f"FROM {AUDIT_TABLE} ORDER BY at, id"
+                            )
+                        )
+                    ).all()
+                )
     scope = set(tasks) if task_ids is None else set(task_ids)
     v: list[str] = list(observer.violations) if observer is not None else []
 
@@ -235,6 +318,8 @@ async def check(
         for prev, nxt in itertools.pairwise(history):
             if prev["ended_at"] is None:
                 v.append(f"task {tid}: attempt {prev['number']} never ended before {nxt['number']}")
+            elif audited:
+                pass  # the audit trail below is exact
             elif nxt["assigned_at"] + timedelta(seconds=OVERLAP_TOLERANCE_S) < prev["ended_at"]:
                 v.append(
                     f"task {tid}: attempt {nxt['number']} assigned before {prev['number']} ended"
@@ -244,7 +329,9 @@ async def check(
         for key in [k for k in ack.results if k[0] == tid]:
             v += _acknowledged(tid, key[1], ack.results[key], t, history)
 
-    for (host, device), rows in by_device.items():
+    if audited:
+        v += _audit_violations(audit)
+    for (host, device), rows in [] if audited else list(by_device.items()):
         rows = sorted(rows, key=lambda a: a["assigned_at"])
         for prev, nxt in itertools.pairwise(rows):
             end = prev["ended_at"]

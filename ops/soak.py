@@ -34,6 +34,7 @@ import contextlib
 import random
 import signal
 import statistics
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -146,7 +147,10 @@ class SoakReport:
 class Soak:
     def __init__(self, config: SoakConfig, work_dir: Path) -> None:
         self.config = config
+        # Separate streams: the fault schedule (kinds, targets, durations) is the
+        # same for a seed however the submitter's timing interleaves with it.
         self.rng = random.Random(config.seed)
+        self.task_rng = random.Random(config.seed + 1)
         self.cluster = Cluster(
             work_dir, timings=config.timings, prefix="soak", pg_proxy=True, seed=config.seed
         )
@@ -221,8 +225,8 @@ class Soak:
                 await asyncio.wait_for(self.stopping.wait(), batch / cfg.rate)
 
     def task_mix(self) -> tuple[dict[str, Any], int]:
-        roll = self.rng.random()
-        sim: dict[str, Any] = {"duration_s": round(self.rng.uniform(0.1, 1.5), 2)}
+        roll = self.task_rng.random()
+        sim: dict[str, Any] = {"duration_s": round(self.task_rng.uniform(0.1, 1.5), 2)}
         if roll < 0.08:
             sim["outcome"] = "failed"
         elif roll < 0.2:
@@ -271,6 +275,7 @@ class Soak:
             print(
                 f"  {record.at_s:7.1f}s {kind:<16} recovered in "
                 + ("-" if record.recovery_s is None else f"{record.recovery_s:.2f}s"),
+                file=sys.stderr,
                 flush=True,
             )
 
