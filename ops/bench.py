@@ -1084,9 +1084,11 @@ async def run(opts: BenchOptions) -> dict[str, Any]:
                 for name in ("procrastinate", "pgqueuer"):
                     ratios[f"vs_{name}"] = _ratio(ours, peers.get(name, {}).get("jobs_per_s"))
             report["ratios"] = ratios
-            return report
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    except Exception as exc:
+        # Keep the control plane's logs for a post-mortem.
+        raise BenchError(f"{type(exc).__name__}: {exc} (logs kept in {work})") from exc
+    shutil.rmtree(work, ignore_errors=True)
+    return report
 
 
 def options_dict(opts: BenchOptions) -> dict[str, Any]:
