@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.cluster import Cluster, wait_for
+from ops.cluster import Cluster, Timings, wait_for
 from tests.faults.conftest import MakeCluster
 
 pytestmark = pytest.mark.chaos
@@ -79,7 +79,9 @@ async def test_agent_paused_past_its_lease_is_refused_and_the_retry_elsewhere_wi
 async def test_agent_killed_between_journal_write_and_report_recovers_with_one_report(
     make_cluster: MakeCluster, failpoint: str
 ) -> None:
-    cluster = await make_cluster()
+    # Deadlines longer than an agent restart: the restarted agent resumes the
+    # attempt (the expiry path is the serve-crash and SIGSTOP tests' business).
+    cluster = await make_cluster(timings=Timings(claim_s=15, ack_s=15, lease_s=10))
     await cluster.start_serve()
     crashing = (await cluster.start_agent("h1", devices=1, failpoints=failpoint)).proc
     [task_id] = await cluster.submit(1, sim={"duration_s": 0.2})
