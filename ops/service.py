@@ -53,8 +53,11 @@ class ControlPlaneService:
         from transport.server import Server
 
         try:
+            # Every connection is kept (no overflow): SQLAlchemy closes an overflow
+            # connection on check-in, and under load that meant a new PostgreSQL
+            # session (connect, startup, type introspection) for most transactions.
             self.engine = create_engine(
-                self.database_url, pool_size=self.pool_size, max_overflow=self.pool_size
+                self.database_url, pool_size=2 * self.pool_size, max_overflow=0
             )
             if self.migrate:
                 await upgrade_engine(self.engine)
@@ -119,6 +122,8 @@ class ControlPlaneService:
         (the queue group's other members get them); the control plane releases
         parked long-polls, lets the requests in flight commit and stops its
         actors; the server sends the last replies and closes its connections."""
+        if self.ops is not None and hasattr(self.ops, "close"):
+            self.ops.close()  # parked `events` long-polls answer now
         if self.server is not None:
             try:
                 await self.server.drain(grace_s)
