@@ -453,12 +453,26 @@ class Repository:
         self.timings = timings or LeaseTimings()
 
     # --- the transaction boundary ------------------------------------------------
-    async def _tx(self, op: str, fn: Callable[[AsyncConnection, datetime], Awaitable[T]]) -> T:
+    async def _tx(
+        self,
+        op: str,
+        fn: Callable[[AsyncConnection, datetime], Awaitable[T]],
+        *,
+        single_read: bool = False,
+    ) -> T:
         """Run ``fn`` in one READ COMMITTED transaction with the clock's time. Typed
         errors roll back and propagate; serialization failures and deadlocks run
-        the transaction again; driver and connection errors become ``Unavailable``."""
+        the transaction again; driver and connection errors become ``Unavailable``.
+
+        ``single_read``: ``fn`` runs exactly one read-only statement, which is its
+        own transaction in autocommit mode, saving the BEGIN and COMMIT round trips
+        (the hot long-poll path reads the session and the pending assignments)."""
         for attempt in range(1, TX_ATTEMPTS + 1):
             try:
+                if single_read:
+                    async with self.engine.connect() as conn:
+                        await conn.execution_options(isolation_level="AUTOCOMMIT")
+                        return await fn(conn, self.clock.now())
                 async with self.engine.begin() as conn:
                     return await fn(conn, self.clock.now())
             except RepositoryError:
@@ -1028,7 +1042,7 @@ class Repository:
                 attempts.c.claim_deadline > now,
             )
 
-        return await self._tx("pending_assignments", run)
+        return await self._tx("pending_assignments", run, single_read=True)
 
     async def _assignments(
         self, conn: AsyncConnection, *conds: sa.ColumnElement[bool]
@@ -1635,7 +1649,9 @@ class Repository:
         if host_id is not None:
             _check_host_id(host_id)
             conds.append(attempts.c.host_id == host_id)
-        return await self._tx("active_attempts", lambda conn, now: self._assignments(conn, *conds))
+        return await self._tx(
+            "active_attempts", lambda conn, now: self._assignments(conn, *conds), single_read=True
+        )
 
     # --- hosts -----------------------------------------------------------------
     async def add_host(self, host_id: str) -> str:
@@ -1754,6 +1770,26 @@ class Repository:
 
         return await self._tx("register_session", run)
 
+    async def host_credential_hash(self, host_id: str) -> bytes | None:
+        """The stored SHA-256 of the host's credential (None if unknown or revoked),
+        read only: what a register proof is opened with (``transport.server``)."""
+        if not isinstance(host_id, str):
+            raise Invalid("host_id must be a string", field="host_id")
+
+        async def run(conn: AsyncConnection, now: datetime) -> bytes | None:
+            row = (
+                await conn.execute(
+                    sa.select(hosts.c.credential_hash, hosts.c.revoked_at).where(
+                        hosts.c.host_id == host_id
+                    )
+                )
+            ).first()
+            if row is None or row.revoked_at is not None:
+                return None
+            return bytes(row.credential_hash)
+
+        return await self._tx("host_credential_hash", run)
+
     async def current_generation(self, host_id: str) -> int | None:
         """The host's current session generation (None if unknown, revoked or never
         registered)."""
@@ -1772,7 +1808,7 @@ class Repository:
                 return None
             return int(row.session_generation)
 
-        return await self._tx("current_generation", run)
+        return await self._tx("current_generation", run, single_read=True)
 
     async def heartbeat(self, session: Session, devices: Sequence[DeviceSnapshot]) -> None:
         """Refresh last_seen and replace only this host's device records."""
@@ -2198,6 +2234,29 @@ class Repository:
             return view
 
         return await self._tx("task_view", run)
+
+    async def readable_task_ids(self, user: User, task_ids: Sequence[str]) -> set[str]:
+        """Which of ``task_ids`` the user may read (one read-only query; the same
+        rule as ``list_tasks``). Ids that are not UUIDs are simply not readable."""
+        _check_user(user)
+        wanted: set[str] = set()
+        for task_id in task_ids:
+            try:
+                wanted.add(str(uuid.UUID(str(task_id))))
+            except ValueError:
+                continue
+        if not wanted:
+            return set()
+        if user.platform_admin:
+            return wanted
+
+        async def run(conn: AsyncConnection, now: datetime) -> set[str]:
+            rows = await conn.execute(
+                sa.select(tasks.c.id).where(tasks.c.id.in_(sorted(wanted)), self._visible(user))
+            )
+            return {str(r[0]) for r in rows}
+
+        return await self._tx("readable_task_ids", run)
 
     async def list_tasks(
         self,
