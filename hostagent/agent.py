@@ -97,6 +97,7 @@ from hostagent.runners import RunContext, RunnerFactory, RunOutcome, guard, load
 from hostagent.runners.base import GuardedRunner
 from persistence.model import Outcome, TaskKind
 from transport import wire
+from transport.broker_auth import host_connect_options
 from transport.client import HostClient
 from transport.subjects import validate_token
 from transport.wire import RemoteError
@@ -732,7 +733,11 @@ class Agent:
                 prefix=cfg.prefix,
                 timeout_s=cfg.request_timeout_s,
                 on_reconnect=self._on_nats_reconnect,
-                connect_options=dict(cfg.connect_options),
+                # Secured identity (issue 11); harmless on an open server.
+                connect_options={
+                    **host_connect_options(cfg.host_id, cfg.credential),
+                    **cfg.connect_options,
+                },
             )
             try:
                 await client.connect()

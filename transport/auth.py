@@ -313,6 +313,20 @@ class Verifier:
         # traffic cannot fill the cache.
         self._remember(auth.host_id, auth.nonce, auth.ts_ms + self._window_ms, now_ms)
 
+    def check_register_fresh(self, ts_ms: int) -> None:
+        """Raise AuthError unless a Register proof's timestamp is within the window
+        (checked before the proof, which costs a database read)."""
+        now_ms = _now_ms(self._clock)
+        if ts_ms < now_ms - self._window_ms:
+            raise AuthError("register timestamp too old", reason="stale")
+        if ts_ms > now_ms + self._window_ms:
+            raise AuthError("register timestamp in the future", reason="future")
+
+    def remember_register(self, host_id: str, nonce: bytes, ts_ms: int) -> None:
+        """Record the nonce of a Register proof that verified; AuthError for a
+        replay. Kept apart from message nonces (a host id never holds a colon)."""
+        self._remember(f"register:{host_id}", nonce, ts_ms + self._window_ms, _now_ms(self._clock))
+
     def _remember(self, host_id: str, nonce: bytes, expires_ms: int, now_ms: int) -> None:
         entry = (host_id, nonce)
         with self._lock:

@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import hashlib
 import random
+import secrets
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -28,6 +30,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from persistence.model import Outcome
 from transport import wire
 from transport.auth import Signer
+from transport.broker_auth import register_proof
 from transport.subjects import Channel, Subjects
 
 log = structlog.get_logger("fleetlease.client")
@@ -193,8 +196,15 @@ class HostClient:
 
     async def register(self, agent_version: str = "") -> wire.RegisterOk:
         subject = self.subjects.register(self.host_id)
+        # A proof of possession, never the credential itself (issue 11).
+        ts_ms = int(time.time() * 1000)
+        nonce = secrets.token_bytes(wire.NONCE_LEN)
         msg = wire.Register(
-            host_id=self.host_id, credential=self._credential, agent_version=agent_version
+            host_id=self.host_id,
+            agent_version=agent_version,
+            proof=register_proof(self._credential, self.host_id, ts_ms, nonce),
+            ts_ms=ts_ms,
+            nonce=nonce,
         )
         ok: wire.RegisterOk = await self._request(
             Channel.CONTROL, subject, wire.encode(msg), wire.RegisterOk

@@ -49,6 +49,8 @@ MAX_WAIT_S = 60.0
 NONCE_LEN = 16
 SIGNATURE_LEN = 32
 SESSION_KEY_LEN = 32
+#: A register proof masks the 64-character credential (``broker_auth.CLIENT_KEY_LEN``).
+REGISTER_PROOF_LEN = 64
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
@@ -370,23 +372,48 @@ def _attempt_ref(r: _Reader) -> dict[str, Any]:
 
 @dataclass(frozen=True, kw_only=True)
 class Register(Message):
-    """Opens a session; carries the host credential, so it is never signed."""
+    """Opens a session; never signed. Carries exactly one of ``proof`` (with
+    ``ts_ms`` and ``nonce``: the agent's default, a proof of possession of the
+    host credential bound to the host, a timestamp and a fresh nonce, see
+    ``transport.broker_auth.register_proof``) or ``credential`` (the credential
+    itself, as older agents send it)."""
 
     TYPE: ClassVar[str] = "register"
     host_id: str
-    credential: str = field(repr=False)
+    credential: str | None = field(default=None, repr=False)
     agent_version: str = ""
+    proof: bytes | None = field(default=None, repr=False)
+    ts_ms: int | None = None
+    nonce: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if (self.credential is None) == (self.proof is None):
+            raise ValueError("a Register carries exactly one of credential or proof")
+        if self.proof is not None and (self.ts_ms is None or self.nonce is None):
+            raise ValueError("a Register proof needs ts_ms and nonce")
 
     def to_body(self) -> dict[str, Any]:
-        return _fields(self, "host_id", "credential", "agent_version")
+        if self.proof is None:
+            return _fields(self, "host_id", "credential", "agent_version")
+        return _fields(self, "host_id", "proof", "ts_ms", "nonce", "agent_version")
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Self:
         r = _Reader(body)
+        host_id = r.token("host_id")
+        agent_version = r.text("agent_version", "", max_len=MAX_NAME_LEN)
+        if body.get("proof") is None:
+            return cls(
+                host_id=host_id, credential=r.hex64("credential"), agent_version=agent_version
+            )
+        if body.get("credential") is not None:
+            raise _out_of_range("credential", "must be absent when proof is given")
         return cls(
-            host_id=r.token("host_id"),
-            credential=r.hex64("credential"),
-            agent_version=r.text("agent_version", "", max_len=MAX_NAME_LEN),
+            host_id=host_id,
+            agent_version=agent_version,
+            proof=r.blob("proof", min_len=REGISTER_PROOF_LEN, max_len=REGISTER_PROOF_LEN),
+            ts_ms=r.integer("ts_ms", lo=0, hi=INT64_MAX),
+            nonce=r.blob("nonce", min_len=NONCE_LEN, max_len=NONCE_LEN),
         )
 
 

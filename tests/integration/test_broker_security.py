@@ -479,10 +479,14 @@ def test_register_proof_opens_only_with_the_stored_hash_and_its_binding() -> Non
 
 
 class MiniRepo:
-    def __init__(self) -> None:
+    def __init__(self, hashes: dict[str, bytes] | None = None) -> None:
         self.clock = SystemClock()
         self.timings = LeaseTimings()
         self.generations: dict[str, int] = {}
+        self.hashes = dict(hashes or {})
+
+    async def host_credential_hash(self, host_id: str) -> bytes | None:
+        return self.hashes.get(host_id)
 
     async def current_generation(self, host_id: str) -> int | None:
         return self.generations.get(host_id)
@@ -533,7 +537,7 @@ async def test_a_host_registers_heartbeats_and_claims_through_the_secured_broker
 
     cred = await add_host(broker.engine, "h1")
     spy_cred = await add_host(broker.engine, "spy")
-    repo = MiniRepo()
+    repo = MiniRepo({"h1": hash_secret(cred)})
     cp = MiniControlPlane(repo, {"h1": cred})
     server = Server(
         nats_url=broker.url,

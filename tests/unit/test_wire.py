@@ -52,6 +52,7 @@ from transport.wire import (
 TASK = "0b4f6c1e-2a5d-4d0e-9a43-1f0c2b7e9d11"
 LEASE = "6a1f0f5e-93a1-4b8c-8f0d-5c6c1a1d2e3f"
 TOKEN = "ab" * 32
+PROOF = {"host_id": "h1", "proof": b"p" * 64, "ts_ms": 1, "nonce": b"n" * 16}
 
 SAMPLES: list[Message] = [
     Register(host_id="h1", credential="0f" * 32, agent_version="1.2.3"),
@@ -130,6 +131,7 @@ SAMPLES: list[Message] = [
     OpsRequest(token=TOKEN, verb="submit", args={"kind": "goal", "goal": "x"}),
     OpsReply(data={"tasks": [{"id": TASK}], "blob": b"raw"}),
     Error(code="conflict", message="stale attempt"),
+    Register(host_id="h1", proof=b"p" * 64, ts_ms=1_700_000_000_000, nonce=b"n" * 16),
 ]
 
 
@@ -267,6 +269,12 @@ ACK = {"task_id": TASK, "attempt": 1, "lease_token": "t"}
         ("register", {"host_id": "h.1", "credential": "0" * 64}, "out_of_range", "host_id"),
         ("register", {"host_id": "h1", "credential": "0" * 63}, "out_of_range", "credential"),
         ("register", {"host_id": "h1"}, "missing_field", "credential"),
+        ("register", {**PROOF, "credential": "0" * 64}, "out_of_range", "credential"),
+        ("register", {**PROOF, "proof": b"p" * 63}, "out_of_range", "proof"),
+        ("register", {**PROOF, "proof": "p" * 64}, "wrong_type", "proof"),
+        ("register", {**PROOF, "nonce": b"n" * 15}, "out_of_range", "nonce"),
+        ("register", {"host_id": "h1", "proof": b"p" * 64, "nonce": b"n" * 16}, "missing_field",
+         "ts_ms"),
         ("heartbeat", {"devices": [{"device_id": "d", "state": "on"}]}, "out_of_range",
          "devices[0].state"),
         ("heartbeat", {"devices": [{"state": "idle"}]}, "missing_field", "devices[0].device_id"),
@@ -440,3 +448,15 @@ def test_decode_of_typed_envelopes_with_arbitrary_bodies_raises_only_decode_erro
         return
     # Whatever was accepted re-encodes to something that decodes to the same message.
     assert decode(encode(env.msg)).msg == env.msg
+
+
+def test_a_register_carries_exactly_one_of_credential_or_proof() -> None:
+    with pytest.raises(ValueError):
+        Register(host_id="h1")
+    with pytest.raises(ValueError):
+        Register(host_id="h1", credential="0f" * 32, proof=b"p" * 64, ts_ms=1, nonce=b"n" * 16)
+    with pytest.raises(ValueError):
+        Register(host_id="h1", proof=b"p" * 64)
+    proof = Register(host_id="h1", proof=b"p" * 64, ts_ms=1, nonce=b"n" * 16)
+    assert "credential" not in proof.to_body()
+    assert "p" * 8 not in repr(proof)
