@@ -23,7 +23,11 @@ a platform admin.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from enum import Enum
@@ -49,6 +53,9 @@ MAX_NAME = 128
 MAX_ARTIFACT_SLICE = 512 * 1024
 
 ADMIN_VERBS = frozenset({"user_add", "project_add", "host_add", "host_revoke", "host_list"})
+#: Recent task events kept for the ``events`` verb, and its longest long-poll.
+EVENT_RING = 10_000
+MAX_EVENTS_WAIT_S = 30.0
 
 
 class ControlPlaneLike(Protocol):
@@ -358,6 +365,90 @@ class Args:
 _STATES = frozenset(s.value for s in TaskState)
 
 
+# --- live events ------------------------------------------------------------------------
+
+
+class EventFeed:
+    """The recent task events of this control-plane process, numbered from 1, in a
+    bounded ring, with long-poll waits: what the ``events`` verb serves. Fed by
+    ``ControlPlane.add_listener`` (on the loop; a call from another thread is
+    handed to the loop). Each event is stored as ``ops.client.normalize_event``
+    shapes it (allow-listed fields only).
+
+    The ring holds only this process's transitions and its numbering starts
+    again at each start (``epoch`` names the run): with several ``serve``
+    processes behind one NATS, a poll answered by another process reports a
+    ``gap`` and starts from that process's present."""
+
+    def __init__(self, capacity: int = EVENT_RING) -> None:
+        self.epoch = uuid.uuid4().hex
+        self._ring: deque[tuple[int, dict[str, Any]]] = deque(maxlen=capacity)
+        self._seq = 0
+        self._waiters: set[asyncio.Future[None]] = set()
+        self.closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        with contextlib.suppress(RuntimeError):
+            self._loop = asyncio.get_running_loop()
+
+    @property
+    def last(self) -> int:
+        """The number of the newest event (0: none yet)."""
+        return self._seq
+
+    def add(self, event: Any) -> None:
+        loop = self._loop
+        if loop is not None:
+            try:
+                running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is not loop:
+                with contextlib.suppress(RuntimeError):  # loop closed: shutting down
+                    loop.call_soon_threadsafe(self.add, event)
+                return
+        from ops.client import normalize_event
+
+        for raw in event if isinstance(event, list) else [event]:
+            shaped = normalize_event(raw)
+            if shaped is not None:
+                self._seq += 1
+                self._ring.append((self._seq, shaped))
+        self._wake()
+
+    def _wake(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+
+    def page(self, after: int, limit: int) -> tuple[list[tuple[int, dict[str, Any]]], bool]:
+        """Up to ``limit`` events numbered above ``after``, and whether some after
+        it already left the ring."""
+        if not self._ring:
+            return [], False
+        first = self._ring[0][0]
+        start = max(after + 1, first) - first
+        return list(itertools.islice(self._ring, start, start + limit)), after < first - 1
+
+    async def wait(self, after: int, timeout_s: float) -> None:
+        """Until an event numbered above ``after`` exists, the feed closes or
+        ``timeout_s`` passes."""
+        if self._seq > after or self.closed or timeout_s <= 0:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.add(waiter)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter, timeout_s)
+        finally:
+            self._waiters.discard(waiter)
+
+    def close(self) -> None:
+        """Release every long-poll (the control plane is stopping)."""
+        self.closed = True
+        self._wake()
+
+
 # --- the API ------------------------------------------------------------------------
 
 
@@ -374,8 +465,13 @@ class OpsApi:
         self.repo = repo
         self.cp = control_plane
         self.service = service
+        self.feed = EventFeed()
+        add_listener = getattr(control_plane, "add_listener", None)
+        if callable(add_listener):
+            add_listener(self.feed.add)
         self._verbs: dict[str, Callable[[User, Any], Any]] = {
             "whoami": self.whoami,
+            "events": self.events,
             "submit": self.submit,
             "tasks": self.tasks,
             "task_show": self.task_show,
@@ -411,6 +507,10 @@ class OpsApi:
         result = await method(user, args if args is not None else {})
         log.debug("ops_request", verb=verb, user=user.name)
         return result
+
+    def close(self) -> None:
+        """Release the parked ``events`` long-polls (called when stopping)."""
+        self.feed.close()
 
     # --- identity ---------------------------------------------------------------
     async def whoami(self, user: User, args: Any) -> dict[str, Any]:
@@ -504,6 +604,45 @@ class OpsApi:
         record = await self.cp.cancel(a.task_id(), user)
         return project_cancel(record)
 
+    async def events(self, user: User, args: Any) -> dict[str, Any]:
+        """Long-poll of the task events this user may read. Without ``after``: the
+        cursor of the present, at once (a live view is live from there). With it:
+        the readable events numbered above ``after`` (waiting up to ``wait_s`` for
+        one), and ``next``, the cursor to pass next time. ``gap``: events may
+        have been missed (the ring overflowed, or the cursor belongs to another
+        process or run, named by ``epoch``): re-read what you show."""
+        a = Args(args, ("after", "wait_s", "limit", "epoch"))
+        after = a.integer("after", lo=0, hi=2**63 - 1)
+        wait_s = a.number("wait_s", lo=0.0, hi=MAX_EVENTS_WAIT_S, default=0.0)
+        limit = a.integer("limit", lo=1, hi=MAX_LIST, default=500)
+        epoch = a.text("epoch", max_len=64)
+        feed = self.feed
+
+        def reply(events: list[dict[str, Any]], cursor: int, gap: bool) -> dict[str, Any]:
+            return {"events": events, "next": cursor, "epoch": feed.epoch, "gap": gap}
+
+        if after is None:
+            return reply([], feed.last, False)
+        if (epoch is not None and epoch != feed.epoch) or after > feed.last:
+            return reply([], feed.last, True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        cursor, gap = after, False
+        while True:
+            page, dropped = feed.page(cursor, limit)
+            gap = gap or dropped
+            if page:
+                cursor = page[-1][0]
+                readable = await self.repo.readable_task_ids(user, [e["task_id"] for _, e in page])
+                visible = [dict(e, seq=n) for n, e in page if e["task_id"] in readable]
+                if visible:
+                    return reply(visible, cursor, gap)
+                continue
+            remaining = deadline - loop.time()
+            if remaining <= 0 or feed.closed:
+                return reply([], cursor, gap)
+            await feed.wait(cursor, remaining)
+
     async def logs(self, user: User, args: Any) -> dict[str, Any]:
         a = Args(args, ("id", "after_id", "limit"))
         task_id = a.task_id()
@@ -585,9 +724,11 @@ class OpsApi:
         host_id = a.name("host_id", required=True)
         ended = await self.repo.revoke_host(host_id)
         log.info("host_revoked", host_id=host_id, by=user.name, ended=len(ended))
+        disconnected = await self._disconnect_host(host_id)
         return {
             "host_id": host_id,
             "revoked": True,
+            "disconnected": disconnected,
             "ended": [
                 {
                     "task_id": _plain(e.task_id),
@@ -598,6 +739,20 @@ class OpsApi:
                 for e in ended
             ],
         }
+
+    async def _disconnect_host(self, host_id: str) -> int:
+        """Kick the revoked host's live NATS connections (broker security on; the
+        revocation is already durable, so the callout refuses the reconnects).
+        A failure is logged, not raised: the revocation stands either way and
+        the application layer already refuses the host's every request."""
+        broker_auth = getattr(self.service, "broker_auth", None)
+        if broker_auth is None:
+            return 0
+        try:
+            return int(await broker_auth.disconnect_host(host_id))
+        except Exception as exc:
+            log.warning("host_disconnect_failed", host_id=host_id, error=repr(exc))
+            return 0
 
     # --- users and projects -----------------------------------------------------------
     async def user_add(self, user: User, args: Any) -> dict[str, Any]:

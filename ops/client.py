@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from ops.cli import EXIT_BY_CODE, EXIT_ERROR, EXIT_UNAVAILABLE, CliError
+from ops.cli import EXIT_BY_CODE, EXIT_DENIED, EXIT_ERROR, EXIT_UNAVAILABLE, CliError
 from ops.config import Settings
 from transport import wire
 from transport.subjects import Subjects
@@ -42,6 +42,10 @@ class OpsClient:
     prefix: str = "fleetlease"
     timeout_s: float = DEFAULT_TIMEOUT_S
     nc: Any = None
+    #: The token's user: connect as ``user:<name>`` with a proof of the token
+    #: (issue 11; harmless on an open server). Unknown: an anonymous connect,
+    #: which only an open server accepts.
+    user: str | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, timeout_s: float = DEFAULT_TIMEOUT_S) -> OpsClient:
@@ -51,6 +55,7 @@ class OpsClient:
             token=settings.token,
             prefix=settings.prefix,
             timeout_s=timeout_s,
+            user=settings.user,
         )
 
     @property
@@ -77,15 +82,35 @@ class OpsClient:
                     max_reconnect_attempts=1,
                     reconnect_time_wait=0.1,
                     error_cb=on_error,
+                    **self._identity(),
                 ),
                 self.timeout_s,
             )
         except Exception as exc:
             reason = errors[0] if errors else (str(exc) or type(exc).__name__)
+            if "authorization" in reason.lower():
+                who = f"user {self.user!r} with this token" if self.user else "an unnamed user"
+                raise OpsError(
+                    f"NATS at {self.nats_url} refused {who}: check the token, and name its "
+                    "user with --user or FLEETLEASE_USER",
+                    EXIT_DENIED,
+                    "unauthorized",
+                ) from exc
             raise OpsError(
                 f"cannot reach NATS at {self.nats_url}: {reason}", EXIT_UNAVAILABLE, "unavailable"
             ) from exc
         return self
+
+    def _identity(self) -> dict[str, Any]:
+        """The secured-broker connect options of this user, if it is named."""
+        if not self.user:
+            return {}
+        from transport.broker_auth import BrokerAuthError, user_connect_options
+
+        try:
+            return user_connect_options(self.user, self.token, self.subjects)
+        except (BrokerAuthError, ValueError):
+            return {}  # not a well-formed name or token: the API says so
 
     async def close(self) -> None:
         if self.nc is not None:
@@ -167,45 +192,26 @@ def normalize_event(raw: Any) -> dict[str, Any] | None:
 
 
 async def task_events(
-    client: OpsClient, *, subscribed: asyncio.Event | None = None
+    client: OpsClient,
+    *,
+    subscribed: asyncio.Event | None = None,
+    wait_s: float | None = None,
 ) -> AsyncGenerator[dict[str, Any], None]:
-    """State changes of the tasks this user may read. The event subject is shared
-    by everyone, so each new task id is checked once with ``task_show`` (which
-    enforces the roles) and events of tasks the user may not read are dropped.
-    ``subscribed`` is set once the server has the subscription: every event
-    published after that is seen (a live view can say "live" truthfully)."""
-    import msgpack
-
-    queue: asyncio.Queue[bytes] = asyncio.Queue()
-
-    async def on_msg(msg: Any) -> None:
-        queue.put_nowait(msg.data)
-
-    sub = await client.nc.subscribe(client.subjects.events_task(), cb=on_msg)
-    readable: dict[str, bool] = {}
-    try:
-        if subscribed is not None:
-            await client.nc.flush(timeout=max(1, int(client.timeout_s)))
-            subscribed.set()
-        while True:
-            data = await queue.get()
-            try:
-                event = normalize_event(msgpack.unpackb(data, raw=False))
-            except (ValueError, msgpack.UnpackException):
-                continue
-            if event is None:
-                continue
-            task_id = event["task_id"]
-            if task_id not in readable:
-                try:
-                    await client.call("task_show", id=task_id)
-                    readable[task_id] = True
-                except CliError as exc:
-                    if exc.exit_code == EXIT_UNAVAILABLE:
-                        raise
-                    readable[task_id] = False
-            if readable[task_id]:
+    """State changes of the tasks this user may read, from the control plane's
+    ``events`` verb (a long-poll the control plane filters by the user's roles:
+    no client ever reads another's events). ``subscribed`` is set once the
+    cursor of the present is known: every event after that is seen (a live view
+    can say "live" truthfully). ``wait_s``: the long-poll of one request
+    (default: three quarters of the client's timeout, at most 25 s)."""
+    wait = wait_s if wait_s is not None else min(25.0, client.timeout_s * 0.75)
+    first = await client.call("events")
+    cursor, epoch = int(first["next"]), str(first["epoch"])
+    if subscribed is not None:
+        subscribed.set()
+    while True:
+        page = await client.call("events", after=cursor, epoch=epoch, wait_s=wait)
+        cursor, epoch = int(page["next"]), str(page["epoch"])
+        for raw in page.get("events") or []:
+            event = normalize_event(raw)
+            if event is not None:
                 yield event
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()

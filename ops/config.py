@@ -14,6 +14,7 @@ ENV_NATS_URL = "FLEETLEASE_NATS_URL"
 ENV_STATE_DIR = "FLEETLEASE_STATE_DIR"
 ENV_PREFIX = "FLEETLEASE_PREFIX"
 ENV_TOKEN = "FLEETLEASE_TOKEN"
+ENV_USER = "FLEETLEASE_USER"
 DEFAULT_PREFIX = "fleetlease"
 
 
@@ -32,6 +33,8 @@ class Settings:
     nats_url: str | None = None
     prefix: str = DEFAULT_PREFIX
     token: str | None = None
+    #: The user the token belongs to: the NATS identity on a secured broker.
+    user: str | None = None
     debug: bool = False
 
     @property
@@ -43,18 +46,22 @@ class Settings:
         ctx = read_context(self.state_dir)
         if not ctx:
             return self
-        token = self.token
+        token, user = self.token, self.user
         if token is None and ctx.get("admin_token_path"):
             try:
                 token = Path(ctx["admin_token_path"]).read_text().strip() or None
             except OSError:
                 token = None
+            admin = ctx.get("admin_user")
+            if token is not None and user is None and isinstance(admin, str):
+                user = admin  # the context's token is the admin's
         return replace(
             self,
             database_url=self.database_url or ctx.get("database_url"),
             nats_url=self.nats_url or ctx.get("nats_url"),
             prefix=self.prefix if self.prefix != DEFAULT_PREFIX else ctx.get("prefix", self.prefix),
             token=token,
+            user=user,
         )
 
 
@@ -68,6 +75,7 @@ def from_args(args: Any) -> Settings:
         nats_url=getattr(args, "nats_url", None) or os.environ.get(ENV_NATS_URL) or None,
         prefix=getattr(args, "prefix", None) or os.environ.get(ENV_PREFIX) or DEFAULT_PREFIX,
         token=getattr(args, "token", None) or os.environ.get(ENV_TOKEN) or None,
+        user=getattr(args, "user", None) or os.environ.get(ENV_USER) or None,
         debug=bool(getattr(args, "debug", False)),
     )
 

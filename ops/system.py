@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import structlog
 
@@ -63,7 +63,11 @@ async def check_database(url: str, timeout: float = 5.0) -> None:
         raise Unreachable(f"cannot reach PostgreSQL at {redact(url)}: {reason}") from exc
 
 
-async def check_nats(url: str, timeout: float = 5.0) -> None:
+async def check_nats(
+    url: str, timeout: float = 5.0, connect_options: dict[str, Any] | None = None
+) -> None:
+    """Connect once (as the control plane, with ``connect_options``, on a secured
+    broker) and close."""
     import nats
 
     errors: list[str] = []
@@ -81,6 +85,7 @@ async def check_nats(url: str, timeout: float = 5.0) -> None:
                 max_reconnect_attempts=0,
                 allow_reconnect=False,
                 error_cb=_err,
+                **(connect_options or {}),
             ),
             timeout + 1,
         )
@@ -119,7 +124,13 @@ def single_instance(state_dir: Path, name: str = "up") -> Iterator[None]:
 
 @dataclass
 class Services:
-    """The PostgreSQL and NATS a process uses, embedded ones started on demand."""
+    """The PostgreSQL and NATS a process uses, embedded ones started on demand.
+
+    An embedded nats-server runs with broker security on (issue 11): the
+    generated auth-callout config of ``transport.broker_config`` with the keys
+    in ``<state dir>/broker``; the control plane on the same state dir must start
+    with ``ControlPlaneService(broker_security=True)`` (``broker_security`` below
+    says so). A given ``--nats-url`` is used as its operator configured it."""
 
     settings: Settings
     need_nats: bool = True
@@ -142,9 +153,13 @@ class Services:
             if s.nats_url or not self.need_nats:
                 self.nats_url = s.nats_url or ""
             else:
+                from transport.broker_config import secure_embedded_args
+
                 previous = read_context(s.state_dir).get("nats_port")
                 self.nats = EmbeddedNats(
-                    s.state_dir / "nats", port=previous if isinstance(previous, int) else None
+                    s.state_dir / "nats",
+                    port=previous if isinstance(previous, int) else None,
+                    extra_args=secure_embedded_args(s.state_dir),
                 )
                 self.nats_url = self.nats.start()
                 self.started.append("nats")
@@ -154,10 +169,25 @@ class Services:
             raise
         return self
 
+    @property
+    def broker_security(self) -> bool:
+        """Whether the NATS in use is the embedded, secured one."""
+        return self.nats is not None
+
+    def control_plane_connect_options(self) -> dict[str, Any]:
+        """How the control plane connects: its nkey on the embedded secured
+        server, nothing special on a given one."""
+        if not self.broker_security:
+            return {}
+        from transport.broker_config import BrokerKeys
+
+        keys = BrokerKeys.load_or_create(self.settings.state_dir / "broker")
+        return keys.control_plane_connect_options()
+
     async def _check(self) -> None:
         await check_database(self.database_url)
         if self.nats_url:
-            await check_nats(self.nats_url)
+            await check_nats(self.nats_url, connect_options=self.control_plane_connect_options())
 
     def stop(self) -> None:
         if self.nats is not None:

@@ -59,6 +59,7 @@ from persistence.errors import Conflict, Invalid, RepositoryError, Unauthorized,
 from persistence.model import DeviceSnapshot, JournalEntry, LeaseTimings, Session
 from transport import wire
 from transport.auth import AuthError, Verifier, session_key
+from transport.broker_auth import open_register_proof
 from transport.subjects import Channel, Subjects, queue_group
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ ARTIFACT_BUCKET = "fleetlease-artifacts"
 #: Staged chunks of an upload nobody committed are dropped after this long.
 STAGING_MAX_AGE_S = 24 * 3600.0
 _INT64_MAX = 2**63 - 1
+#: What an unknown host's register proof is checked against (never matches).
+_DUMMY_HASH = hashlib.sha256(b"fleetlease: no such host").digest()
 
 
 class ControlPlaneLike(Protocol):
@@ -135,10 +138,11 @@ class OpsHandler(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class ChannelConfig:
-    """Limits of one channel. ``long_poll`` (jobs only) is a second pool for
-    claims, which park until work comes: a host fleet long-polling can never
-    take the workers that renewals and results need. A claim that finds no
-    long-poll slot free is answered at once (no waiting) from the normal pool."""
+    """Limits of one channel. ``long_poll`` (jobs, ops) is a second pool for
+    claims and ops ``events`` polls, which park until something happens: a host
+    fleet long-polling can never take the workers that renewals and results
+    need. A long-poll that finds no slot free is answered at once (no waiting)
+    from the normal pool."""
 
     workers: int
     long_poll: int = 0
@@ -157,7 +161,8 @@ DEFAULT_CHANNELS: dict[Channel, ChannelConfig] = {
     Channel.JOBS: ChannelConfig(workers=256, long_poll=4096),
     Channel.LOGS: ChannelConfig(workers=16),
     Channel.ARTIFACTS: ChannelConfig(workers=8),
-    Channel.OPS: ChannelConfig(workers=64),
+    # long_poll: the ops `events` long-polls of live views (watch, web console).
+    Channel.OPS: ChannelConfig(workers=64, long_poll=1024),
 }
 
 
@@ -415,7 +420,7 @@ class Server:
             # free, a claim is answered without waiting.
             if (
                 state.poll_sem is not None
-                and msg.subject.endswith(".claim")
+                and msg.subject.endswith((".claim", ".ops.events"))
                 and not state.poll_sem.locked()
             ):
                 sem, may_wait = state.poll_sem, True
@@ -562,7 +567,10 @@ class Server:
             raise AuthError(
                 "credentials are bound to another host", reason="host_mismatch", code="forbidden"
             )
-        session = await self.cp.register(host_id, m.credential)
+        credential = m.credential
+        if credential is None:
+            credential = await self._open_register_proof(host_id, m)
+        session = await self.cp.register(host_id, credential)
         self._generations[host_id] = session.generation
         key = session_key(self._secret, host_id, session.generation)
         log.info("host_registered", host_id=host_id, generation=session.generation)
@@ -575,6 +583,23 @@ class Server:
                 heartbeat_s=self.heartbeat_s,
             )
         )
+
+    async def _open_register_proof(self, host_id: str, m: wire.Register) -> str:
+        """The credential inside a Register proof (issue 11: the credential never
+        crosses the wire). Timestamp window first, then the stored hash (read
+        only; an unknown or revoked host is checked against a dummy hash, so it
+        costs the same), then the replay check. The repository re-checks the
+        recovered credential in constant time in the registering transaction."""
+        assert m.proof is not None and m.ts_ms is not None and m.nonce is not None
+        self.verifier.check_register_fresh(m.ts_ms)
+        stored = await self.repo.host_credential_hash(host_id)
+        credential = open_register_proof(
+            stored if stored is not None else _DUMMY_HASH, host_id, m.ts_ms, m.nonce, m.proof
+        )
+        if stored is None or credential is None:
+            raise Unauthorized("invalid host credentials")
+        self.verifier.remember_register(host_id, m.nonce, m.ts_ms)
+        return credential
 
     async def _host_verb(self, s: Session, m: wire.Message, may_wait: bool) -> bytes:
         cp = self.cp
@@ -873,7 +898,11 @@ class Server:
         _reject_nul(env.msg.args, "args")
         if self.ops is None:
             raise Unavailable("the user API is not served here")
-        data = await self.ops.handle(verb, env.msg.token, env.msg.args)
+        args = env.msg.args
+        if verb == "events" and isinstance(args, dict) and (not may_wait or self._stopping):
+            # No long-poll slot (or stopping): answered without waiting.
+            args = {**args, "wait_s": 0.0}
+        data = await self.ops.handle(verb, env.msg.token, args)
         return wire.encode_reply(wire.OpsReply(data=data))
 
     def _on_event(self, event: Any) -> None:

@@ -36,6 +36,12 @@ def register(sub: Any) -> None:
     add_common(p)
     p.add_argument("--devices", type=int, default=4, help="simulated devices of the local agent")
     p.add_argument("--demo", action="store_true", help="keep submitting a mix of demo tasks")
+    p.add_argument(
+        "--web",
+        default="127.0.0.1:8080",
+        metavar="HOST:PORT",
+        help="where to serve the web console (default 127.0.0.1:8080; 'off' for none)",
+    )
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("serve", help="run the control plane (actors + NATS handlers)")
@@ -135,6 +141,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     demo=args.demo,
                     stop=stop,
                     log_dir=log_dir,
+                    web=None if args.web == "off" else args.web,
                 )
                 try:
                     asyncio.run(system.run())
@@ -194,6 +201,9 @@ class LocalSystem:
     log_dir: Path
     service: Any = None
     agent: asyncio.subprocess.Process | None = None
+    #: HOST:PORT of the web console (None: no console).
+    web: str | None = None
+    console: Any = None
     admin_token: str = ""
     admin_name: str = ADMIN_USER
 
@@ -218,6 +228,7 @@ class LocalSystem:
             state_dir=self.state_dir,
             prefix=self.settings.prefix,
             migrate=False,
+            broker_security=self.services.broker_security,
         )
         stopped = asyncio.ensure_future(asyncio.to_thread(self.stop.wait))
         try:
@@ -226,11 +237,14 @@ class LocalSystem:
             if self.devices > 0:
                 await self.start_agent()
             context = self.write_context()
+            await self.start_console()
             await self.announce(context)
             await self.supervise(stopped)
         finally:
             _say("fleetlease up: stopping")
             self.stop.set()
+            if self.console is not None:
+                await self.console.stop()
             await self.stop_agent()
             await self.service.stop()
             await stopped
@@ -377,6 +391,25 @@ class LocalSystem:
             await asyncio.sleep(0.2)
         return None
 
+    async def start_console(self) -> None:
+        """The web console (``ops/web``), on the ops subjects like any user client.
+        A port in use is reported, not fatal: the rest of the system is still useful."""
+        if self.web is None:
+            return
+        from ops.client import OpsError
+        from ops.web.app import WebSettings
+        from ops.web.server import parse_listen, start_console
+
+        try:
+            host, port = parse_listen(self.web)
+            self.console = await start_console(
+                WebSettings(nats_url=self.services.nats_url, prefix=self.settings.prefix),
+                host=host,
+                port=port,
+            )
+        except (ValueError, OSError, OpsError) as exc:
+            _say(f"fleetlease up: no web console on {self.web}: {exc}", err=True)
+
     async def announce(self, context: Path) -> None:
         services = self.services
         print(f"fleetlease up: state in {self.state_dir}")
@@ -391,6 +424,8 @@ class LocalSystem:
             status = f"live, {host['devices']} devices" if host else "not live yet (see its log)"
             print(f"  agent          host {LOCAL_HOST}, pid {self.agent.pid}, {status}")
         print(f"  admin          user {self.admin_name}, token in {self.admin_token_path}")
+        if self.console is not None:
+            print(f"  web console    {self.console.url} (sign in with the admin token)")
         print(f"  context        {context}")
         print(f"  logs           {self.log_dir}")
         if not self.demo:
@@ -536,6 +571,7 @@ async def run_control_plane(
         state_dir=settings.state_dir,
         prefix=settings.prefix,
         timings=timings,
+        broker_security=services.broker_security,
     )
     await service.start()
     try:

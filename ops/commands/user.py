@@ -113,6 +113,11 @@ def add_client(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token", help="user token (env FLEETLEASE_TOKEN; else the admin token of `up`)"
     )
+    parser.add_argument(
+        "--user",
+        help="the user the token belongs to: its NATS identity on a secured broker such as "
+        "`up`'s (env FLEETLEASE_USER; the admin's with the admin token of `up`)",
+    )
     parser.add_argument("--json", action="store_true", help="print exact JSON (stable shapes)")
     parser.add_argument(
         "--timeout",

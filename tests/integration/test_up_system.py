@@ -196,7 +196,7 @@ def test_up_is_a_whole_system_that_survives_a_restart(
     ).json()["id"]
     wait_for(lambda: states().get(hang), lambda s: s == "running", 60, "hang task running")
     bob = fl("user", "add", "bob", "--json").json()["token"]
-    denied = fl("cancel", hang, token=bob)
+    denied = fl("cancel", hang, "--user", "bob", token=bob)
     assert denied.code == 3 and "forbidden" in denied.err
     assert fl("task", "show", hang, "--json").json()["cancel"]["requested"] is False
     assert fl("cancel", hang, "--json").json()["cancel"]["requested"] is True
@@ -223,7 +223,7 @@ def test_up_is_a_whole_system_that_survives_a_restart(
     assert after[hang]["state"] == "cancelled"
     assert after[hang]["attempts"][-1]["end_reason"] == "cancelled"
     assert all(after[i]["attempts"][-1]["end_reason"] == "done" for i in ids)
-    assert fl("cancel", hang, token=bob).code == 3
+    assert fl("cancel", hang, "--user", "bob", token=bob).code == 3
 
     assert up.interrupt() == 0, up.log.read_text()
     assert processes_using(up.state_dir) == []
