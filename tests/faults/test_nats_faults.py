@@ -78,6 +78,9 @@ async def test_agent_partitioned_from_nats_past_its_lease_stops_and_task_runs_el
         timeout=30,
         what="attempt 1 running on h-cut",
     )
+    # The agent has the ack's reply and its runner going (cut before that, it
+    # would still be waiting for the ack with no runner to stop).
+    await cut.proc.wait_event("attempt_started", task_id=task_id, timeout=30)
     mark = cut.proc.mark()
 
     cut.proxy.blackhole()
