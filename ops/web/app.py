@@ -1,11 +1,14 @@
 """The web console: fleet, tasks and one task's history, live, in a browser.
 
 Every page is built from the user API (``ops/api.py``) called over the ops NATS
-subjects with the signed-in user's own token (``ops.client.OpsClient``), so the
-console sees exactly what that user's CLI would see, through the same safe
-projection: there is no second path to the data. Live updates are server-sent
-events fed by ``ops.client.task_events`` (the task events of the tasks that
-user may read).
+subjects with the signed-in user's own token, on a NATS connection of that
+user's own (``ops.client.OpsClient``: on a secured broker it connects as
+``user:<name>`` with a proof of the token, and may only use the ops subjects
+and its own inbox), so the console sees exactly what that user's CLI would
+see, through the same safe projection: there is no second path to the data,
+and the console itself holds no NATS identity. Live updates are server-sent
+events fed by ``ops.client.task_events`` (the control plane's ``events``
+long-poll, filtered by the user's roles).
 
 Sign-in, CSRF and the cookie are in ``ops/web/sessions.py``. Status codes:
 401 shows the sign-in page, 403 a "not allowed" page, 404 "not found", 503
@@ -35,7 +38,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ops.cli import EXIT_UNAVAILABLE
+from ops.cli import EXIT_DENIED
 from ops.client import DEFAULT_TIMEOUT_S, OpsClient, OpsError, task_events
 from ops.web.sessions import (
     LOGIN_CSRF_COOKIE,
@@ -48,6 +51,7 @@ from ops.web.sessions import (
     tokens_match,
 )
 from persistence.model import TaskState
+from transport.subjects import is_valid_token
 
 log = structlog.get_logger("fleetlease.web")
 
@@ -117,77 +121,85 @@ class RequestRefused(Exception):
         self.status = status
 
 
-# --- NATS ------------------------------------------------------------------------------
-
-
-async def connect_nats(url: str, timeout_s: float) -> Any:
-    """The console's one NATS connection (every user's requests carry their own
-    token). Unlike the CLI's it reconnects: the console is long-lived."""
-    import nats
-
-    errors: list[str] = []
-
-    async def on_error(exc: Exception) -> None:
-        errors.append(str(exc) or type(exc).__name__)
-
-    try:
-        return await asyncio.wait_for(
-            nats.connect(
-                url,
-                name="fleetlease-web",
-                connect_timeout=min(timeout_s, 5.0),
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=1.0,
-                error_cb=on_error,
-            ),
-            timeout_s,
-        )
-    except Exception as exc:
-        reason = errors[0] if errors else (str(exc) or type(exc).__name__)
-        raise OpsError(
-            f"cannot reach NATS at {url}: {reason}", EXIT_UNAVAILABLE, "unavailable"
-        ) from exc
-
-
 # --- the console ------------------------------------------------------------------------
 
 
 class Console:
-    """The state of one running console: its NATS connection, its sessions, and
-    the signal that ends every event stream when it shuts down."""
+    """The state of one running console: the sign-in sessions, each with its own
+    NATS connection, and the signal that ends every event stream at shutdown."""
 
-    def __init__(self, settings: WebSettings, *, nc: Any = None) -> None:
+    def __init__(self, settings: WebSettings) -> None:
         self.settings = settings
-        self.nc = nc
-        self._owns_nc = nc is None
         self.sessions = SessionStore(
-            idle_s=settings.session_idle_s, max_age_s=settings.session_max_age_s
+            idle_s=settings.session_idle_s,
+            max_age_s=settings.session_max_age_s,
+            on_drop=self._forget,
         )
         self.closing = asyncio.Event()
+        self._closers: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> Console:
-        if self.nc is None:
-            self.nc = await connect_nats(self.settings.nats_url, self.settings.timeout_s)
-        return self
-
-    async def stop(self) -> None:
-        self.closing.set()
-        if self._owns_nc and self.nc is not None:
-            with contextlib.suppress(Exception):
-                await self.nc.close()
-            self.nc = None
-
-    def client(self, token: str) -> OpsClient:
-        if self.nc is None:
-            raise OpsError("the console is not connected", EXIT_UNAVAILABLE, "unavailable")
+    def _client(self, *, user: str | None, token: str) -> OpsClient:
         return OpsClient(
             nats_url=self.settings.nats_url,
             token=token,
             prefix=self.settings.prefix,
             timeout_s=self.settings.timeout_s,
-            nc=self.nc,
+            user=user,
         )
+
+    async def start(self) -> Console:
+        """Checks that NATS answers (``OpsError`` "unavailable" if not). A secured
+        broker refuses this anonymous probe, which is an answer too."""
+        probe = self._client(user=None, token="")
+        try:
+            await probe.connect()
+        except OpsError as exc:
+            if exc.code != "unauthorized":
+                raise
+        finally:
+            await probe.close()
+        return self
+
+    async def stop(self) -> None:
+        self.closing.set()
+        self.sessions.clear()
+        if self._closers:
+            await asyncio.gather(*self._closers, return_exceptions=True)
+
+    def _forget(self, session: Session) -> None:
+        client, session.client = session.client, None
+        if client is not None:
+            closer = asyncio.get_running_loop().create_task(client.close())
+            self._closers.add(closer)
+            closer.add_done_callback(self._closers.discard)
+
+    async def sign_in(self, *, user: str, token: str) -> tuple[str, Session]:
+        """Connects as ``user`` with ``token`` and asks who that is; the session
+        keeps the connection. ``OpsError`` "unauthorized" if either is wrong."""
+        client = self._client(user=user, token=token)
+        await client.connect()
+        try:
+            me = await client.call("whoami")
+            if me.get("name") != user:
+                raise OpsError("the token is not this user's", EXIT_DENIED, "unauthorized")
+        except BaseException:
+            await client.close()
+            raise
+        session_id, session = self.sessions.create(
+            token=token, user=user, platform_admin=bool(me.get("platform_admin"))
+        )
+        session.client = client
+        return session_id, session
+
+    async def client(self, session: Session) -> OpsClient:
+        """The session's connection, made again if it was lost (a NATS restart)."""
+        async with session.lock:
+            client: OpsClient | None = session.client
+            if client is None or client.nc is None or client.nc.is_closed:
+                client = self._client(user=session.user, token=session.token)
+                await client.connect()
+                session.client = client
+            return client
 
 
 # --- template helpers ------------------------------------------------------------------
@@ -304,12 +316,10 @@ class Web:
         request.state.session = session
         return session
 
-    def client(self, session: Session) -> OpsClient:
-        return self.console.client(session.token)
-
     async def call(self, session: Session, verb: str, **args: Any) -> Any:
         try:
-            return await self.client(session).call(verb, **args)
+            client = await self.console.client(session)
+            return await client.call(verb, **args)
         except OpsError as exc:
             if exc.code == "unauthorized":
                 # The token was revoked (or the user removed): this session is over.
@@ -413,19 +423,26 @@ class Web:
         data = await self.form(request)
         if not tokens_match(request.cookies.get(LOGIN_CSRF_COOKIE), data.get("login_csrf")):
             raise RequestRefused("the sign-in form expired; reload the page and try again")
+        user = (data.get("user") or "").strip()
         token = (data.get("token") or "").strip()
-        if not token or len(token) > MAX_TOKEN_CHARS or not token.isprintable():
-            return self.sign_in_page(request, status=401, error="Enter your user token.")
+        if (
+            not is_valid_token(user)
+            or not token
+            or len(token) > MAX_TOKEN_CHARS
+            or not token.isprintable()
+        ):
+            return self.sign_in_page(
+                request, status=401, error="Enter your user name and your token."
+            )
         try:
-            me = await self.console.client(token).call("whoami")
+            session_id, _ = await self.console.sign_in(user=user, token=token)
         except OpsError as exc:
             if exc.code in ("unauthorized", "forbidden", "bad_request"):
-                return self.sign_in_page(request, status=401, error="That token was not accepted.")
+                return self.sign_in_page(
+                    request, status=401, error="That user name and token were not accepted."
+                )
             raise
-        session_id, _ = self.console.sessions.create(
-            token=token, user=str(me["name"]), platform_admin=bool(me.get("platform_admin"))
-        )
-        log.info("web_sign_in", user=me["name"])
+        log.info("web_sign_in", user=user)
         response = RedirectResponse(_local_path(data.get("next")), status_code=303)
         self._set_cookie(request, response, SESSION_COOKIE, session_id)
         response.delete_cookie(LOGIN_CSRF_COOKIE, path="/")
@@ -585,7 +602,7 @@ class Web:
         first = await self.call(
             session, "artifact_get", id=task_id, name=name, attempt=attempt, offset=0
         )
-        client = self.client(session)
+        client = await self.console.client(session)
 
         async def body() -> AsyncIterator[bytes]:
             meta = first
@@ -628,7 +645,7 @@ class Web:
         of ``ops.client.normalize_event``), a comment line when idle, and ``end``
         when the console stops or the session's token stops being accepted."""
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=10_000)
-        client = self.client(session)
+        client = await self.console.client(session)
         keepalive = self.console.settings.keepalive_s
 
         subscribed = asyncio.Event()
@@ -780,8 +797,8 @@ class SecurityHeaders:
 
 
 def create_app(settings: WebSettings, *, console: Console | None = None) -> Starlette:
-    """The console as an ASGI app. Without ``console`` it connects to NATS at
-    startup (lifespan) and closes the connection at shutdown."""
+    """The console as an ASGI app. Its lifespan starts the console (a check
+    that NATS answers) and stops it (closing every session's connection)."""
     console = console or Console(settings)
     web = Web(console)
 

@@ -1,8 +1,8 @@
 """Serving the console with uvicorn, in the caller's event loop.
 
 ``start_console`` binds the socket itself (so ``port=0`` works and a port in
-use fails at once with ``OSError``), connects to NATS (``OpsError`` if it
-cannot), then serves until ``RunningConsole.stop()``. Signals stay with the
+use fails at once with ``OSError``), checks that NATS answers (``OpsError`` if
+not), then serves until ``RunningConsole.stop()``. Signals stay with the
 caller unless ``handle_signals``: ``fleetlease up`` has its own.
 """
 
@@ -115,7 +115,9 @@ async def start_console(
             http="h11",
             ws="none",
             lifespan="on",
+            # The caller's logging stays as it is; uvicorn says only what is wrong.
             log_config=None,
+            log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=int(GRACE_S),
             server_header=False,

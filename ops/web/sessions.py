@@ -13,12 +13,14 @@ session in the form (or, before sign-in, the double-submit cookie's value).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 SESSION_COOKIE = "fleetlease_session"
@@ -43,6 +45,10 @@ class Session:
     last_used: float
     #: One-shot notices shown by the next page (kind, text), e.g. a cancel's outcome.
     flashes: list[tuple[str, str]] = field(default_factory=list)
+    #: The user's own NATS connection (an ``ops.client.OpsClient``), and the lock
+    #: under which it is replaced when lost.
+    client: Any = field(default=None, repr=False)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def flash(self, kind: str, text: str) -> None:
         self.flashes.append((kind, text))
@@ -62,7 +68,10 @@ class SessionStore:
         max_age_s: float = 7 * 86400.0,
         max_sessions: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
+        on_drop: Callable[[Session], None] | None = None,
     ) -> None:
+        """``on_drop(session)`` runs for every session that ends (sign-out,
+        expiry, eviction, a refused token): the console closes its connection."""
         if idle_s <= 0 or max_age_s <= 0:
             raise ValueError("idle_s and max_age_s must be positive")
         if max_sessions < 1:
@@ -71,6 +80,7 @@ class SessionStore:
         self.max_age_s = max_age_s
         self.max_sessions = max_sessions
         self._clock = clock
+        self._on_drop = on_drop
         self._sessions: dict[str, Session] = {}
 
     def __len__(self) -> int:
@@ -82,7 +92,7 @@ class SessionStore:
         if len(self._sessions) >= self.max_sessions:
             # Evict the least recently used rather than refuse a sign-in.
             oldest = min(self._sessions, key=lambda k: self._sessions[k].last_used)
-            del self._sessions[oldest]
+            self._drop_key(oldest)
         now = self._clock()
         session_id = new_secret()
         session = Session(
@@ -105,22 +115,28 @@ class SessionStore:
             return None
         now = self._clock()
         if self._expired(session, now):
-            del self._sessions[key]
+            self._drop_key(key)
             return None
         session.last_used = now
         return session
 
     def drop(self, session_id: str | None) -> None:
         if session_id:
-            self._sessions.pop(_key(session_id), None)
+            self._drop_key(_key(session_id))
 
     def drop_token(self, token: str) -> None:
         """End every session signed in with ``token`` (it was refused: revoked)."""
         for key in [k for k, s in self._sessions.items() if hmac.compare_digest(s.token, token)]:
-            del self._sessions[key]
+            self._drop_key(key)
 
-    def tokens(self) -> Iterable[str]:
-        return (s.token for s in self._sessions.values())
+    def clear(self) -> None:
+        for key in list(self._sessions):
+            self._drop_key(key)
+
+    def _drop_key(self, key: str) -> None:
+        session = self._sessions.pop(key, None)
+        if session is not None and self._on_drop is not None:
+            self._on_drop(session)
 
     def _expired(self, session: Session, now: float) -> bool:
         return now - session.last_used > self.idle_s or now - session.created > self.max_age_s
@@ -128,7 +144,7 @@ class SessionStore:
     def _purge(self) -> None:
         now = self._clock()
         for key in [k for k, s in self._sessions.items() if self._expired(s, now)]:
-            del self._sessions[key]
+            self._drop_key(key)
 
 
 def tokens_match(expected: str | None, given: str | None) -> bool:

@@ -5,12 +5,16 @@ on a free port of 127.0.0.1, in the test's event loop."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from hostagent.agent import Agent
+from ops.embedded import EmbeddedNats
+from ops.service import ControlPlaneService
 from ops.web.app import WebSettings
 from ops.web.server import RunningConsole, start_console
 from tests.integration.test_agent import RunningAgent
@@ -18,6 +22,7 @@ from tests.integration.test_agent import System as AgentHarness
 from tests.integration.test_ops_cli import System
 from tests.integration.test_ops_cli import host as host
 from tests.integration.test_ops_cli import system as system
+from transport.broker_config import secure_embedded_args
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "web"
 
@@ -59,3 +64,41 @@ async def agent(system: System, tmp_path: Path) -> AsyncIterator[Agent]:
 def artifacts_dir() -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     return ARTIFACTS
+
+
+@dataclass
+class SecureSystem:
+    """A control plane behind a secured broker (issue 11), as ``fleetlease up``
+    runs it: every NATS client must connect as itself."""
+
+    service: ControlPlaneService
+    nats_url: str
+    prefix: str
+    admin_token: str
+
+
+@pytest.fixture
+async def secure_system(
+    db_url: str, subject_prefix: str, tmp_path: Path
+) -> AsyncIterator[SecureSystem]:
+    state = tmp_path / "secure-state"
+    server = EmbeddedNats(tmp_path / "secure-nats", extra_args=secure_embedded_args(state))
+    await asyncio.to_thread(server.start)
+    service = ControlPlaneService(
+        database_url=db_url,
+        nats_url=server.url,
+        state_dir=state,
+        prefix=subject_prefix,
+        migrate=False,
+        broker_security=True,
+        scheduler_interval_s=0.2,
+    )
+    try:
+        await service.start()
+        assert service.repo is not None
+        admin = await service.repo.add_user("admin", platform_admin=True)
+        await service.repo.add_project("default", owner="admin")
+        yield SecureSystem(service, server.url, subject_prefix, admin)
+    finally:
+        await service.stop()
+        await asyncio.to_thread(server.stop)

@@ -68,13 +68,12 @@ class WebUser:
             headers["Origin"] = origin
         return self._keep(await self.client.post(path, data=data, headers=headers, **kw))
 
-    async def sign_in(self, token: str, next_path: str = "/") -> httpx.Response:
+    async def sign_in(self, user: str, token: str, next_path: str = "/") -> httpx.Response:
         page = await self.get("/login")
         match = LOGIN_CSRF.search(page.text)
         assert match, page.text
-        return await self.post(
-            "/login", {"login_csrf": match.group(1), "token": token, "next": next_path}
-        )
+        form = {"login_csrf": match.group(1), "user": user, "token": token, "next": next_path}
+        return await self.post("/login", form)
 
     async def csrf(self) -> str:
         page = await self.get("/tasks")

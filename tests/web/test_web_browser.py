@@ -55,10 +55,11 @@ class Browser:
     async def page(self) -> Any:
         return await self.context.new_page()
 
-    async def sign_in(self, page: Any, token: str) -> None:
+    async def sign_in(self, page: Any, user: str, token: str) -> None:
         await page.goto(self.base_url + "/")
         await expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
-        await page.get_by_label("User token").fill(token)
+        await page.get_by_label("User name").fill(user)
+        await page.get_by_label("Token").fill(token)
         await page.get_by_role("button", name="Sign in").click()
         await expect(page.get_by_role("button", name="Sign out")).to_be_visible()
 
@@ -114,7 +115,7 @@ async def test_sign_in_and_see_a_host_with_its_devices(
     await expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
     await browser.shot(page, "01-sign-in")
 
-    await browser.sign_in(page, system.admin_token)
+    await browser.sign_in(page, "admin", system.admin_token)
     await expect(page.get_by_role("heading", name="Fleet")).to_be_visible()
     local = page.locator('section.host[data-host-id="local"]')
     await expect(local.locator(".badge")).to_have_text("live")
@@ -131,7 +132,7 @@ async def test_a_task_submitted_through_the_cli_reaches_done_live(
 ) -> None:
     browser = await open_browser("admin")
     page = await browser.page()
-    await browser.sign_in(page, system.admin_token)
+    await browser.sign_in(page, "admin", system.admin_token)
     await page.goto(browser.base_url + "/tasks")
     await expect(page.locator("body")).to_have_attribute("data-live", "on")
     await page.evaluate("window.notReloaded = true")
@@ -169,7 +170,7 @@ async def test_a_hanging_task_is_cancelled_from_its_page(
 ) -> None:
     browser = await open_browser("admin")
     page = await browser.page()
-    await browser.sign_in(page, system.admin_token)
+    await browser.sign_in(page, "admin", system.admin_token)
     task_id = await system.submit(
         system.admin_token, "--goal", "wait for a dialog", "--payload", HANG
     )
@@ -199,7 +200,7 @@ async def test_a_user_without_rights_gets_the_403_view(
     bob = await system.user("bob")
     browser = await open_browser("bob")
     page = await browser.page()
-    await browser.sign_in(page, bob)
+    await browser.sign_in(page, "bob", bob)
 
     response = await page.goto(f"{browser.base_url}/tasks/{task_id}")
     assert response is not None and response.status == 403

@@ -17,10 +17,12 @@ import pytest
 import sqlalchemy as sa
 
 from ops.web.app import SECURITY_HEADERS, Console, WebSettings, create_app
-from ops.web.server import RunningConsole
+from ops.web.server import RunningConsole, start_console
 from ops.web.sessions import SESSION_COOKIE
 from persistence import tables as t
+from persistence.model import TaskKind, TaskSpec
 from tests.integration.test_ops_cli import SimHost, System, _forms
+from tests.web.conftest import SecureSystem
 from tests.web.support import WebUser
 
 HANG = '{"sim": {"outcome": "hang"}}'
@@ -82,7 +84,7 @@ async def test_without_a_session_every_page_answers_401_with_the_sign_in_page(
 async def test_sign_in_keeps_the_token_server_side_behind_an_opaque_strict_httponly_cookie(
     system: System, web: WebUser
 ) -> None:
-    r = await web.sign_in(system.admin_token, next_path="/tasks")
+    r = await web.sign_in("admin", system.admin_token, next_path="/tasks")
     assert r.status_code == 303 and r.headers["location"] == "/tasks"
     cookie = next(v for k, v in r.headers.multi_items() if k == "set-cookie" and "session" in v)
     assert cookie.startswith(f"{SESSION_COOKIE}=")
@@ -98,9 +100,11 @@ async def test_sign_in_keeps_the_token_server_side_behind_an_opaque_strict_httpo
 async def test_a_refused_token_shows_the_sign_in_page_again_with_401(
     system: System, web: WebUser
 ) -> None:
-    r = await web.sign_in("0" * 64)
+    r = await web.sign_in("admin", "0" * 64)
     assert r.status_code == 401
     assert "not accepted" in r.text
+    # A good token under another name is refused too.
+    assert (await web.sign_in("bob", system.admin_token)).status_code == 401
     assert SESSION_COOKIE not in r.headers.get("set-cookie", "")
     assert (await web.get("/")).status_code == 401
 
@@ -109,7 +113,7 @@ async def test_a_token_no_longer_accepted_ends_the_session_with_the_sign_in_page
     system: System, web: WebUser
 ) -> None:
     alice = await system.user("alice")
-    assert (await web.sign_in(alice)).status_code == 303
+    assert (await web.sign_in("alice", alice)).status_code == 303
     assert (await web.get("/tasks")).status_code == 200
     # Rotate alice's token behind the console's back.
     assert system.service.engine is not None
@@ -132,7 +136,7 @@ async def test_a_safe_next_path_only_after_sign_in(system: System, web: WebUser)
         ("/\\evil.example", "/"),
     ):
         web.client.cookies.clear()
-        r = await web.sign_in(system.admin_token, next_path=target)
+        r = await web.sign_in("admin", system.admin_token, next_path=target)
         assert r.headers["location"] == expected, target
 
 
@@ -144,7 +148,7 @@ async def test_state_changing_requests_need_our_origin_and_the_session_csrf_toke
 ) -> None:
     alice = await owner_of_a_project(system, "alice")
     task_id = await system.submit(alice, "--goal", "wait", "--project", "alice")
-    assert (await web.sign_in(alice)).status_code == 303
+    assert (await web.sign_in("alice", alice)).status_code == 303
     csrf = await web.csrf()
     path = f"/tasks/{task_id}/cancel"
 
@@ -178,7 +182,12 @@ async def test_sign_in_and_sign_out_are_protected_too(system: System, web: WebUs
     page = await web.get("/login")
     login_csrf = re.search(r'name="login_csrf" value="([^"]+)"', page.text)
     assert login_csrf
-    form = {"login_csrf": login_csrf.group(1), "token": system.admin_token, "next": "/"}
+    form = {
+        "login_csrf": login_csrf.group(1),
+        "user": "admin",
+        "token": system.admin_token,
+        "next": "/",
+    }
     assert (await web.post("/login", form, origin="http://evil.example")).status_code == 403
     assert (await web.post("/login", {**form, "login_csrf": "forged"})).status_code == 403
     assert (await web.get("/")).status_code == 401
@@ -200,7 +209,7 @@ async def test_a_user_without_rights_gets_the_not_allowed_view_and_nothing_is_wr
 ) -> None:
     task_id = await system.submit(system.admin_token, "--goal", "admin's", "--payload", HANG)
     bob = await system.user("bob")
-    assert (await web.sign_in(bob)).status_code == 303
+    assert (await web.sign_in("bob", bob)).status_code == 303
     csrf = await web.csrf()
 
     for path in (f"/tasks/{task_id}", f"/tasks/{task_id}/cancel"):
@@ -218,7 +227,7 @@ async def test_a_user_without_rights_gets_the_not_allowed_view_and_nothing_is_wr
 
 
 async def test_unknown_tasks_and_pages_are_404(system: System, web: WebUser) -> None:
-    assert (await web.sign_in(system.admin_token)).status_code == 303
+    assert (await web.sign_in("admin", system.admin_token)).status_code == 303
     for path in (f"/tasks/{uuid.uuid4()}", "/tasks/not-a-uuid", "/nowhere"):
         r = await web.get(path)
         assert r.status_code == 404, path
@@ -237,7 +246,7 @@ async def test_pages_show_the_fleet_the_tasks_and_a_task_with_logs_and_artifacts
     await host.client.append_logs(task_id, a.attempt, 0, ["opened settings", "<b>not html</b>"])
     await host.client.upload_artifact(task_id, a.attempt, "dir/shot.png", b"\x89PNG fake")
     await host.finish(a)
-    assert (await web.sign_in(admin)).status_code == 303
+    assert (await web.sign_in("admin", admin)).status_code == 303
 
     fleet = await web.get("/")
     assert fleet.status_code == 200
@@ -262,7 +271,7 @@ async def test_pages_show_the_fleet_the_tasks_and_a_task_with_logs_and_artifacts
 
 
 async def test_every_response_carries_the_security_headers(system: System, web: WebUser) -> None:
-    assert (await web.sign_in(system.admin_token)).status_code == 303
+    assert (await web.sign_in("admin", system.admin_token)).status_code == 303
     for path in ("/", "/tasks", "/static/console.css", "/static/console.js", "/nowhere"):
         r = await web.get(path)
         for name, value in SECURITY_HEADERS.items():
@@ -274,7 +283,7 @@ async def test_the_event_stream_carries_changes_of_readable_tasks_only(
     system: System, web: WebUser
 ) -> None:
     alice = await owner_of_a_project(system, "alice")
-    assert (await web.sign_in(alice)).status_code == 303
+    assert (await web.sign_in("alice", alice)).status_code == 303
     ready = asyncio.Event()
     mine: list[str] = []
 
@@ -294,6 +303,43 @@ async def test_the_event_stream_carries_changes_of_readable_tasks_only(
     assert set(changes[0]) == {"task_id", "state", "attempt", "host_id", "device_id", "at"}
 
 
+# --- behind a secured broker: each session connects as its own user --------------------------
+
+
+async def test_behind_a_secured_broker_each_user_connects_as_itself(
+    secure_system: SecureSystem,
+) -> None:
+    running = await start_console(
+        WebSettings(nats_url=secure_system.nats_url, prefix=secure_system.prefix),
+        host="127.0.0.1",
+        port=0,
+    )
+    web = WebUser(running.url)
+    try:
+        assert (await web.sign_in("bob", secure_system.admin_token)).status_code == 401
+        assert (await web.sign_in("admin", "0" * 64)).status_code == 401
+        assert (await web.sign_in("admin", secure_system.admin_token)).status_code == 303
+        assert (await web.get("/")).status_code == 200
+        ready = asyncio.Event()
+        submitted: list[str] = []
+
+        def until(events: list[dict[str, object]]) -> bool:
+            if any("ready" in e for e in events):
+                ready.set()
+            return bool(submitted) and any(e.get("task_id") == submitted[0] for e in events)
+
+        stream = asyncio.create_task(web.events("/events", until))
+        await asyncio.wait_for(ready.wait(), 30)
+        spec = TaskSpec(kind=TaskKind.GOAL, goal="behind the secured broker")
+        submitted.append(await secure_system.service.control_plane.submit(spec))
+        await asyncio.wait_for(stream, 30)
+        page = await web.get(f"/tasks/{submitted[0]}")
+        assert page.status_code == 200 and "behind the secured broker" in page.text
+    finally:
+        await web.close()
+        await running.stop()
+
+
 # --- no control plane: the console alone, in process (httpx's ASGI transport) -----------------
 
 
@@ -309,7 +355,7 @@ async def test_without_a_control_plane_sign_in_is_503_and_names_no_url(nats_url:
             assert match
             r = await c.post(
                 "/login",
-                data={"login_csrf": match.group(1), "token": "t" * 64},
+                data={"login_csrf": match.group(1), "user": "admin", "token": "t" * 64},
                 headers={"Origin": "http://console.test"},
             )
             assert r.status_code == 503
@@ -354,9 +400,9 @@ async def test_no_response_contains_a_secret_a_hash_or_a_host_path(
 
     # Every page, as admin and as alice (and bob's refusals), cancels included.
     await web.get("/login")
-    await web.sign_in("not a token")
-    assert (await web.sign_in(admin)).status_code == 303
-    assert (await other.sign_in(alice)).status_code == 303
+    await web.sign_in("admin", "not a token")
+    assert (await web.sign_in("admin", admin)).status_code == 303
+    assert (await other.sign_in("alice", alice)).status_code == 303
     for user in (web, other):
         for path in ("/", "/fleet/part", "/tasks", "/tasks/part", "/tasks?state=running"):
             assert (await user.get(path)).status_code == 200, path
@@ -388,7 +434,7 @@ async def test_no_response_contains_a_secret_a_hash_or_a_host_path(
 
     bob_web = WebUser(web.base_url, seen=web.seen)
     try:
-        await bob_web.sign_in(bob)
+        await bob_web.sign_in("bob", bob)
         await bob_web.get(f"/tasks/{done_id}")
         await bob_web.get(f"/tasks/{done_id}/artifacts/1/a.txt")
         await bob_web.post(f"/tasks/{done_id}/cancel", {"csrf": await bob_web.csrf()})
