@@ -15,8 +15,11 @@ faults:
 ``nats_restart``    nats-server SIGKILL, down 0.5-3 s, start again (same port)
 ``pg_latency``      50 +/- 50 ms latency between the control plane and PostgreSQL for 3-6 s
 ``pg_reset``        every control-plane connection to PostgreSQL reset at once
+``pg_bandwidth``    the control plane's PostgreSQL traffic limited to 32 KB/s for 3-6 s
 ``agent_partition`` one agent blackholed from NATS for longer than a lease
 ``agent_stop``      one agent SIGSTOPped for longer than a lease, then SIGCONT
+``agent_half_open`` one agent's NATS connections half-open (server side gone, the
+                    agent not told) for longer than a lease, then reset
 ``agent_kill``      one agent SIGKILLed (its supervisor restarts it)
 
 Recovery time of a fault: from its end (restart, heal) until the next task
@@ -55,8 +58,10 @@ FAULT_WEIGHTS: dict[str, int] = {
     "nats_restart": 2,
     "pg_latency": 1,
     "pg_reset": 1,
+    "pg_bandwidth": 1,
     "agent_partition": 2,
     "agent_stop": 1,
+    "agent_half_open": 1,
     "agent_kill": 2,
 }
 RECOVERY_TIMEOUT_S = 60.0
@@ -351,6 +356,25 @@ class Soak:
         n = proxy.connections
         proxy.reset()
         return f"{n} connections"
+
+    async def fault_pg_bandwidth(self) -> str:
+        proxy = self.cluster.pg_proxy
+        assert proxy is not None
+        length = self.rng.uniform(3.0, 6.0)
+        proxy.bandwidth(32 * 1024)
+        await asyncio.sleep(length)  # the fault's duration
+        proxy.heal()
+        return f"{length:.1f}s"
+
+    async def fault_agent_half_open(self) -> str:
+        host = self.rng.choice(self.host_ids)
+        proxy = self.cluster.agents[host].proxy
+        assert proxy is not None
+        length = self.config.timings.lease_s + self.rng.uniform(1.0, 3.0)
+        proxy.half_open()
+        await asyncio.sleep(length)  # the fault's duration
+        proxy.heal()
+        return f"{host} {length:.1f}s"
 
     async def fault_agent_partition(self) -> str:
         host = self.rng.choice(self.host_ids)
