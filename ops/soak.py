@@ -257,8 +257,9 @@ class Soak:
 
     # --- faults ---------------------------------------------------------------------------
     async def fault_phase(self, seconds: float) -> None:
-        kinds = list(FAULT_WEIGHTS)
-        weights = [FAULT_WEIGHTS[k] for k in kinds]
+        # A seeded deck (each kind as often as its weight), dealt in full before
+        # it is made again.
+        deck: list[str] = []
         end = self.t0 + seconds
         # Warm up: a first task done before the first fault.
         await self.wait_progress(await self.terminal_count(), timeout=60)
@@ -268,7 +269,15 @@ class Soak:
                 break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), gap)
-            kind = self.rng.choices(kinds, weights)[0]
+            if not deck:
+                # Every kind once (shuffled), then the extra copies the weights ask
+                # for (shuffled): a short run covers the most kinds.
+                once = list(FAULT_WEIGHTS)
+                extra = [k for k, w in FAULT_WEIGHTS.items() for _ in range(w - 1)]
+                self.rng.shuffle(once)
+                self.rng.shuffle(extra)
+                deck = once + extra
+            kind = deck.pop(0)
             record = FaultRecord(kind=kind, at_s=self.now(), detail="")
             log.info("soak_fault", kind=kind, at_s=round(record.at_s, 1))
             record.detail = await getattr(self, f"fault_{kind}")()
