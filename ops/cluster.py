@@ -523,7 +523,10 @@ class Cluster:
         ack = self.acknowledged
         ack.results.clear()
         ack.replays.clear()
+        ack.acked.clear()
         for run in self.all_agent_runs():
+            for e in run.named("attempt_acked"):
+                ack.acked.add((str(e["task_id"]), int(e["attempt"])))
             for e in run.named("result_reported"):
                 ack.result(
                     str(e["task_id"]),

@@ -14,8 +14,8 @@ Two halves:
   numbered 1..n, ended unless current; attempt time ranges never overlap per
   device or per task; a report was accepted only before its deadline and an
   expiry only after it (so no stale report changed state and exactly one of
-  renew/expire won); every acknowledged result is in the database with its
-  fingerprint; no attempt was acknowledged as finished twice with different
+  renew/expire won); every acknowledged ack and result is in the database (a result with its
+  fingerprint); no attempt was acknowledged as finished twice with different
   results; no reservation outlives its attempt.
 
 Reservation history: every transaction stamps its rows with the clock read
@@ -120,6 +120,8 @@ class Acknowledged:
     #: (task, attempt) -> fingerprints of results acknowledged as recorded
     #: (``replayed`` False: the first, accepted report).
     results: dict[tuple[str, int], list[str]] = field(default_factory=lambda: defaultdict(list))
+    #: (task, attempt) pairs whose ack (dispatched -> running) was acknowledged.
+    acked: set[tuple[str, int]] = field(default_factory=set)
     #: (task, attempt) -> fingerprints acknowledged as replays of a recorded result.
     replays: dict[tuple[str, int], list[str]] = field(default_factory=lambda: defaultdict(list))
 
@@ -326,6 +328,10 @@ async def check(
                 )
         for a in history:
             v += _fencing(tid, a)
+        for number in sorted(n for t_, n in ack.acked if t_ == tid):
+            att = [a for a in history if a["number"] == number]
+            if not att or att[0]["acked_at"] is None:
+                v.append(f"task {tid} attempt {number}: ack acknowledged but not recorded")
         for key in [k for k in ack.results if k[0] == tid]:
             v += _acknowledged(tid, key[1], ack.results[key], t, history)
 
