@@ -95,7 +95,9 @@ class Context:
     reaper_max_sleep_s: float = 5.0
     reaper_idle_recheck_s: float = 1.0
     emit: Callable[[list[dict[str, Any]]], None] = lambda events: None
-    wake_hosts: Callable[[Iterable[str]], None] = lambda hosts: None
+    #: Wake parked long-polls: host ids (every poll of the host) or
+    #: ``(host_id, device_id)`` pairs (the polls that may claim that device).
+    wake_hosts: Callable[[Iterable[str | tuple[str, str]]], None] = lambda hosts: None
     renew: Callable[[Renewal], Coroutine[Any, Any, LeaseStatus]] | None = None
     stats: Stats = field(default_factory=Stats)
     supervisor: Supervisor | None = None

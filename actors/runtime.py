@@ -145,7 +145,9 @@ class ControlPlane:
         self.stack_size = stack_size
         self._loop = loop
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
-        self._waiters: dict[str, set[asyncio.Future[None]]] = {}
+        #: Parked long-polls per host: each waiter with the devices it claims for
+        #: (None: any device of the host).
+        self._waiters: dict[str, dict[asyncio.Future[None], frozenset[str] | None]] = {}
         self._host_wakeups = 0
         self._inflight = 0
         self._idle: asyncio.Event | None = None
@@ -318,11 +320,12 @@ class ControlPlane:
             loop = self.loop
             deadline = loop.time() + float(wait_s)
             host = session.host_id
+            wanted = frozenset(device_ids) if device_ids else None
             while True:
                 # Register before looking, so a signal between the look and the wait
                 # is not lost.
                 waiter: asyncio.Future[None] = loop.create_future()
-                self._waiters.setdefault(host, set()).add(waiter)
+                self._waiters.setdefault(host, {})[waiter] = wanted
                 try:
                     claimed = await self._claim_pending(session, device_ids)
                     if claimed is not None:
@@ -339,7 +342,7 @@ class ControlPlane:
                 finally:
                     waiters = self._waiters.get(host)
                     if waiters is not None:
-                        waiters.discard(waiter)
+                        waiters.pop(waiter, None)
                         if not waiters:
                             del self._waiters[host]
 
@@ -576,11 +579,26 @@ class ControlPlane:
         if self._ctx is not None:
             self._ctx.bridge.call_soon(self.wake_hosts, list(hosts))
 
-    def wake_hosts(self, hosts: list[str]) -> None:
+    def wake_hosts(self, hosts: list[str] | list[str | tuple[str, str]]) -> None:
         """Wake the parked long-polls of these hosts (on the loop). The server calls
-        this when another control-plane process assigned them work."""
-        for host in hosts:
-            for waiter in self._waiters.get(host, ()):
+        this when another control-plane process assigned them work.
+
+        An item ``(host_id, device_id)`` (a new assignment, from the Scheduler)
+        wakes only the long-polls that may claim that device. Waking every poll of
+        the host made each of them read the pending assignments, for one
+        assignment that only one of them can take (an agent keeps one poll per
+        idle device)."""
+        for item in hosts:
+            if isinstance(item, tuple):
+                host, device = item
+                targets = [
+                    w
+                    for w, wanted in self._waiters.get(host, {}).items()
+                    if wanted is None or device in wanted
+                ]
+            else:
+                targets = list(self._waiters.get(item, {}))
+            for waiter in targets:
                 if not waiter.done():
                     waiter.set_result(None)
                     self._host_wakeups += 1

@@ -62,7 +62,7 @@ class SchedulerActor(FleetActor):
         for a in batch:
             self.ctx.sup.ensure_lease(a)
         self.ctx.sup.hint_deadline(min(a.claim_deadline for a in batch))
-        self.ctx.wake_hosts({a.host_id for a in batch})
+        self.ctx.wake_hosts({(a.host_id, a.device_id) for a in batch})
         self.ctx.emit(
             [
                 self.ctx.event(
