@@ -1401,7 +1401,26 @@ class Repository:
             values,
             {"ended_at": now, "end_reason": end.value},
         )
-        await conn.execute(device_reservations.delete().where(device_reservations.c.task_id == tid))
+        # The device is free again, and the host said so by reporting: a "busy" it
+        # reported while the attempt ran turns idle in the same statement, so the
+        # next assignment need not wait for the host's next heartbeat. (An expiry
+        # leaves it busy: a host that went silent keeps its devices out of use
+        # until it reports again or is no longer live.)
+        freed = (
+            device_reservations.delete()
+            .where(device_reservations.c.task_id == tid)
+            .returning(device_reservations.c.host_id, device_reservations.c.device_id)
+            .cte("freed")
+        )
+        await conn.execute(
+            devices.update()
+            .where(
+                devices.c.host_id == freed.c.host_id,
+                devices.c.device_id == freed.c.device_id,
+                devices.c.state == "busy",
+            )
+            .values(state="idle", updated_at=now)
+        )
         return ResultRecord(
             task_id=tid,
             attempt=row["attempt"],
