@@ -340,6 +340,12 @@ async def test_rejected_renewal_stops_the_runner_and_reports_nothing(
         await system.cp.cancel(task_id, ADMIN)
         await system.wait_state(task_id, "cancelled")
 
+        # The state commits before the agent logs the reply it got.
+        async def reports() -> int:
+            return sum(1 for e in logs if e["event"] == "result_reported")
+
+        await eventually(reports, lambda n: n >= 1, timeout=30)
+
     lost = [e for e in logs if e["event"] == "lease_lost"]
     assert [(e["task_id"], e["attempt"]) for e in lost] == [(task_id, 1)]
     reported = [(e["task_id"], e["attempt"]) for e in logs if e["event"] == "result_reported"]
