@@ -149,6 +149,8 @@ class ControlPlane:
         #: (None: any device of the host).
         self._waiters: dict[str, dict[asyncio.Future[None], frozenset[str] | None]] = {}
         self._host_wakeups = 0
+        #: Assignments a long-poll of this process is claiming right now.
+        self._claiming: set[tuple[str, int]] = set()
         self._inflight = 0
         self._idle: asyncio.Event | None = None
         self._accepting = False
@@ -354,7 +356,17 @@ class ControlPlane:
             wanted = set(device_ids)
             pending = [a for a in pending if a.device_id in wanted]
         for a in sorted(pending, key=lambda a: a.claim_deadline):
-            claimed = await self._claim_one(session, a)
+            key = (a.task_id, a.attempt)
+            if key in self._claiming:
+                # Another long-poll of this process is claiming it: concurrent polls
+                # of one host went down the same list in the same order, each losing
+                # every race but the last (with 1,000 pending, past the timeout).
+                continue
+            self._claiming.add(key)
+            try:
+                claimed = await self._claim_one(session, a)
+            finally:
+                self._claiming.discard(key)
             if claimed is not None:
                 return claimed
         return None
