@@ -1031,6 +1031,8 @@ async def peers_cell(opts: BenchOptions, admin_url: str) -> dict[str, Any]:
                 out[name] = await fn(url, opts.tasks, concurrency)
         except ModuleNotFoundError as exc:
             out[name] = {"error": f"not installed ({exc.name}): pip install 'fleetlease[bench]'"}
+        except Exception as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
 
 
@@ -1073,7 +1075,11 @@ async def run(opts: BenchOptions) -> dict[str, Any]:
                 fleet = await _setup_fleet(db_url, srv.nats_url, work)
                 _say(opts, "throughput")
                 report["throughput"] = await throughput_cell(opts, fleet)
-                cells = await lease_cells(opts, fleet)
+                try:
+                    cells = await lease_cells(opts, fleet)
+                except Exception as exc:  # one failed cell must not lose the others
+                    error = {"error": f"{type(exc).__name__}: {exc}"}
+                    cells = {"renewals": error, "recovery": error}
                 report["renewals"] = cells["renewals"]
                 report["recovery"] = cells["recovery"]
             ours = report["throughput"]["tasks_per_s"]

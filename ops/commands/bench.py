@@ -163,7 +163,9 @@ def print_report(r: dict[str, Any]) -> None:
     table.add_row("", f"assignment latency at {half['rate_per_s']:.0f}/s", _lat(half["assignment"]))
     table.add_row("", f"dispatch latency at {half['rate_per_s']:.0f}/s", _lat(half["dispatch"]))
     rn = r.get("renewals")
-    if rn:
+    if rn and "error" in rn:
+        table.add_row("renewals, recovery", "failed", rn["error"])
+    elif rn:
         table.add_row("renewals", "active leases", _f(rn["leases"]))
         table.add_row("", "RSS per active lease", _f(rn["rss_per_lease_kib"], " KiB"))
         table.add_row("", "renewals/s, burst", _f(rn["burst_renewals_per_s"]))
@@ -178,7 +180,7 @@ def print_report(r: dict[str, Any]) -> None:
         )
         table.add_row("", "renew round trip, paced", _lat(rn["paced_round_trip"]))
     rc = r.get("recovery")
-    if rc:
+    if rc and "error" not in rc:
         table.add_row(
             "recovery", f"SIGKILL with {rc['leases']} leases: restart", _f(rc["restart_s"], " s", 2)
         )
