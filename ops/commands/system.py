@@ -52,6 +52,12 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--liveness-s", type=float, default=30.0, help="a host unseen this long gets no new work"
     )
+    p.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=5.0,
+        help="heartbeat period told to hosts at registration (must be below --liveness-s)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -555,13 +561,23 @@ def timings_from_args(args: argparse.Namespace) -> Any:
         value = getattr(args, name)
         if not value > 0:
             raise CliError(f"--{name.replace('_', '-')} must be positive", EXIT_USAGE)
+    heartbeat_s = getattr(args, "heartbeat_s", 5.0)
+    if not 0 < heartbeat_s < args.liveness_s:
+        # A host beating slower than the liveness window drops in and out of "live"
+        # and starves assignment.
+        raise CliError("--heartbeat-s must be positive and below --liveness-s", EXIT_USAGE)
     return LeaseTimings(
         claim_s=args.claim_s, ack_s=args.ack_s, lease_s=args.lease_s, liveness_s=args.liveness_s
     )
 
 
 async def run_control_plane(
-    settings: Any, services: Services, timings: Any, stop: threading.Event, on_ready: Any = None
+    settings: Any,
+    services: Services,
+    timings: Any,
+    stop: threading.Event,
+    on_ready: Any = None,
+    heartbeat_s: float = 5.0,
 ) -> None:
     from ops.service import ControlPlaneService
 
@@ -571,6 +587,7 @@ async def run_control_plane(
         state_dir=settings.state_dir,
         prefix=settings.prefix,
         timings=timings,
+        heartbeat_s=heartbeat_s,
         broker_security=services.broker_security,
     )
     await service.start()
@@ -610,7 +627,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 f"NATS {services.nats_url}, prefix {settings.prefix}",
                 flush=True,
             )
-            asyncio.run(run_control_plane(settings, services, timings, stop))
+            asyncio.run(
+                run_control_plane(settings, services, timings, stop, heartbeat_s=args.heartbeat_s)
+            )
     except (AlreadyRunning, Unreachable) as exc:
         raise CliError(exc.message, EXIT_UNAVAILABLE) from exc
     return EXIT_OK
