@@ -349,12 +349,14 @@ class ControlPlane:
                             del self._waiters[host]
 
     async def _claim_pending(self, session: Session, device_ids: Sequence[str]) -> Claimed | None:
+        # The oldest few are enough (reading every pending assignment of a host with
+        # a thousand of them, for each of its polls, saturated the event loop); the
+        # limit also covers those other polls of this process are claiming.
         pending: list[Assignment] = await self._bounded(
-            self.repo.pending_assignments(session.host_id)
+            self.repo.pending_assignments(
+                session.host_id, device_ids=device_ids, limit=len(self._claiming) + 16
+            )
         )
-        if device_ids:
-            wanted = set(device_ids)
-            pending = [a for a in pending if a.device_id in wanted]
         for a in sorted(pending, key=lambda a: a.claim_deadline):
             key = (a.task_id, a.attempt)
             if key in self._claiming:

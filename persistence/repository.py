@@ -1030,22 +1030,32 @@ class Repository:
 
         return await self._tx("claim_next", run)
 
-    async def pending_assignments(self, host_id: str) -> list[Assignment]:
-        """Assigned (unclaimed, unexpired) attempts of a host (read only)."""
+    async def pending_assignments(
+        self, host_id: str, *, device_ids: Sequence[str] = (), limit: int | None = None
+    ) -> list[Assignment]:
+        """Assigned (unclaimed, unexpired) attempts of a host (read only), oldest
+        first; only those on ``device_ids`` when given; at most ``limit``."""
         _check_host_id(host_id)
+        if isinstance(device_ids, str) or not all(isinstance(d, str) for d in device_ids):
+            raise Invalid("device_ids must be a sequence of strings", field="device_ids")
+        if limit is not None:
+            _check_int(limit, "limit", 1, 100_000)
+        conds = [
+            tasks.c.status == TaskState.ASSIGNED.value,
+            attempts.c.host_id == host_id,
+        ]
+        if device_ids:
+            conds.append(attempts.c.device_id == sa.any_(_arr(list(device_ids), sa.Text)))
 
         async def run(conn: AsyncConnection, now: datetime) -> list[Assignment]:
             return await self._assignments(
-                conn,
-                tasks.c.status == TaskState.ASSIGNED.value,
-                attempts.c.host_id == host_id,
-                attempts.c.claim_deadline > now,
+                conn, *conds, attempts.c.claim_deadline > now, limit=limit
             )
 
         return await self._tx("pending_assignments", run, single_read=True)
 
     async def _assignments(
-        self, conn: AsyncConnection, *conds: sa.ColumnElement[bool]
+        self, conn: AsyncConnection, *conds: sa.ColumnElement[bool], limit: int | None = None
     ) -> list[Assignment]:
         rows = (
             await conn.execute(
@@ -1064,6 +1074,7 @@ class Repository:
                 )
                 .where(*conds)
                 .order_by(attempts.c.assigned_at, tasks.c.seq)
+                .limit(limit)
             )
         ).all()
         return [
