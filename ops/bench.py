@@ -748,7 +748,9 @@ async def lease_cells(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
         state_dir=state,
         prefix=fleet.prefix,
         token=fleet.token,
-        lease_s=max(60.0, 3 * opts.renew_period_s),
+        # Long enough to outlast leasing every task (the first leases must not
+        # expire while the last are claimed); renewals cost the same whatever it is.
+        lease_s=max(600.0, 3 * opts.renew_period_s),
         claim_s=600.0,
         ack_s=600.0,
         liveness_s=3600.0,
