@@ -23,7 +23,7 @@ import msgpack
 import nats
 import pytest
 import sqlalchemy as sa
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NatsClient
 
@@ -34,6 +34,7 @@ from persistence.model import LeaseTimings, TaskKind, TaskSpec, User
 from transport import wire
 from transport.auth import Signer
 from transport.client import HostClient
+from transport.server import HOST_VERBS as VERB_TYPES
 from transport.server import Server
 from transport.subjects import HOST_VERBS, Channel, Subjects
 
@@ -399,6 +400,19 @@ async def test_hypothesis_messages_on_every_subject_change_nothing(
     subject = subjects[pick % len(subjects)]
     body = value if isinstance(value, dict) else {"x": value}
     raw_body = bytes(msgpack.packb(body, use_bin_type=True))
+    # Every field of Claim, Heartbeat and Reconcile has a default and unknown
+    # fields are ignored, so a signed body of unknown keys on the matching subject
+    # is a real request (an empty poll, an empty snapshot): not junk.
+    if signed and subject != system.subjects.ops("tasks"):
+        verb = system.subjects.parse_host_subject(subject)
+        expected = VERB_TYPES.get((verb.channel, verb.verb))
+        if expected is not None and t == expected.TYPE:
+            try:
+                expected.from_body(body)
+            except wire.DecodeError:
+                pass
+            else:
+                assume(False)
     env: dict[str, Any] = {"v": 1, "t": t, "b": raw_body}
     if signed:
         env["a"] = h.signer().auth(subject, t, raw_body).to_map()
