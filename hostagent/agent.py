@@ -17,7 +17,12 @@ any other job request goes out: the control plane confirms (and rebinds to the
 new generation) the attempts it still considers this host's, and says "discard"
 for the others. Confirmed attempts that this process is not running (a restart)
 are resumed: a finished one is reported again with the fingerprint stored in the
-journal, an unfinished one is run again from the start on its device. Requests
+journal, an unfinished one is run again from the start on its device. Every
+such resume is counted in the journal entry (committed before the runner
+starts); an entry already resumed ``max_resumes`` times is not run again but
+reported as a retryable failure ("agent died N times running this attempt"),
+so a task that kills its agent cannot crash-loop a promptly restarted agent:
+the control plane retries it elsewhere or fails it after its max attempts. Requests
 wait while the session is being re-established; a request refused with
 ``unauthorized`` triggers one re-registration (coalesced across all callers by a
 session epoch) and is retried on the new session. Reconnecting agents wait a
@@ -251,6 +256,9 @@ class AgentConfig:
     log_queue_lines: int = 10_000
     artifact_queue_items: int = 32
     artifact_queue_bytes: int = 64 * 1024 * 1024
+    #: A journal entry resumed this many times after agent restarts is not run
+    #: again: it is reported as a retryable failure (a poison attempt).
+    max_resumes: int = 2
     failpoints: frozenset[str] = frozenset()
     connect_options: Mapping[str, Any] = field(default_factory=dict)
 
@@ -283,6 +291,12 @@ class AgentConfig:
             _non_negative(name, getattr(self, name))
         if self.heartbeat_s is not None:
             _positive("heartbeat_s", self.heartbeat_s)
+        if (
+            isinstance(self.max_resumes, bool)
+            or not isinstance(self.max_resumes, int)
+            or self.max_resumes < 0
+        ):
+            raise ValueError(f"max_resumes must be an int >= 0, got {self.max_resumes!r}")
         for name in ("log_queue_lines", "artifact_queue_items", "artifact_queue_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -464,8 +478,11 @@ class _Attempt:
     reporting: bool = False
     #: The journal entry may go: reported, or known stale.
     entry_done: bool = False
-    #: Set when a resumed attempt cannot run here (its device is gone).
+    #: Set when a resumed attempt cannot run here (its device is gone, or it was
+    #: resumed too often: it kills the agent).
     unrunnable: str | None = None
+    #: Taken over from the journal after a restart (not claimed by this process).
+    resumed: bool = False
     holds_device: bool = False
     log_seq: int = 0
     progress_seq: int = 0
@@ -891,7 +908,7 @@ class Agent:
         )
 
     def _resume(self, entry: JournalRecord, *, cancel_requested: bool) -> None:
-        att = _Attempt(record=entry)
+        att = _Attempt(record=entry, resumed=True)
         try:
             self.devices.mark_busy(entry.device_id)
             att.holds_device = True
@@ -907,6 +924,7 @@ class Agent:
             attempt=entry.attempt,
             device_id=entry.device_id,
             state=str(entry.state),
+            resumes=entry.resumes,
         )
         if cancel_requested:
             self._request_cancel(att)
@@ -1118,6 +1136,8 @@ class Agent:
         rec = att.record
         journal = self._journal_or_fail()
         try:
+            if att.unrunnable is None and att.resumed and rec.state is not EntryState.FINISHED:
+                att.unrunnable = await self._count_resume(att)
             if att.unrunnable is not None:
                 await self._record(att, RunOutcome.failed(att.unrunnable, retryable=True))
             elif rec.state is not EntryState.FINISHED:
@@ -1155,6 +1175,27 @@ class Agent:
                 self._held.discard(rec.device_id)
                 self.devices.mark_idle(rec.device_id)
             self._wake.set()
+
+    async def _count_resume(self, att: _Attempt) -> str | None:
+        """Before running a resumed attempt again: count the resume durably, or
+        give the attempt up (the reason to report) when it has been resumed
+        ``max_resumes`` times already, each time dying with the agent."""
+        rec = att.record
+        if rec.resumes >= self.config.max_resumes:
+            reason = f"agent died {rec.resumes + 1} times running this attempt"
+            log.warning(
+                "attempt_given_up",
+                task_id=rec.task_id,
+                attempt=rec.attempt,
+                device_id=rec.device_id,
+                resumes=rec.resumes,
+                reason=reason,
+            )
+            return reason
+        journal = self._journal_or_fail()
+        count = await asyncio.to_thread(journal.begin_resume, rec.task_id, rec.attempt)
+        log.info("attempt_resume_counted", task_id=rec.task_id, attempt=rec.attempt, resumes=count)
+        return None
 
     async def _ack(self, att: _Attempt) -> bool:
         rec = att.record

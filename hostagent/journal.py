@@ -11,6 +11,14 @@ it holds lease tokens. A corrupt or truncated file never stops the agent: it is
 moved aside and a fresh journal is started; reconciliation with the control
 plane (the source of truth) resolves whatever was lost.
 
+Each entry counts how many times a restarted agent has resumed running it
+(``resumes``, incremented and committed by :meth:`Journal.begin_resume` before
+the resumed attempt runs), so an attempt that kills its agent every time is
+given up after a bounded number of restarts instead of crash-looping. The
+column was added after the first release: a journal file without it gets it
+(``ALTER TABLE ... ADD COLUMN``, default 0) when opened, and a record without a
+value reads as 0.
+
 The lease token is never logged: ``JournalRecord`` hides it from ``repr`` and
 no log event carries it.
 """
@@ -118,6 +126,8 @@ class JournalRecord:
     result: dict[str, Any] = field(default_factory=dict)
     fingerprint: str | None = None
     created_at: datetime = field(default_factory=_utcnow)
+    #: How many times a restarted agent has resumed running this attempt.
+    resumes: int = 0
 
     def __post_init__(self) -> None:
         if not self.task_id:
@@ -130,6 +140,8 @@ class JournalRecord:
             raise ValueError(f"lease_s must be a positive number, got {self.lease_s!r}")
         if self.created_at.tzinfo is None:
             raise ValueError("created_at must be timezone-aware")
+        if isinstance(self.resumes, bool) or not isinstance(self.resumes, int) or self.resumes < 0:
+            raise ValueError(f"resumes must be an int >= 0, got {self.resumes!r}")
         finished = self.state is EntryState.FINISHED
         if finished != (self.outcome is not None and self.fingerprint is not None):
             raise ValueError("outcome and fingerprint are set exactly when state is 'finished'")
@@ -190,14 +202,22 @@ CREATE TABLE IF NOT EXISTS entries (
     result      TEXT    NOT NULL DEFAULT '{}',
     fingerprint TEXT,
     created_at  TEXT    NOT NULL,
+    resumes     INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (task_id, attempt)
 )
 """
 
-_COLUMNS = (
+#: Columns added after the first release, with their definition: added to an
+#: older file when it is opened (same schema version: an additive change that
+#: older agents, which name their columns, still read and write).
+_ADDED_COLUMNS = {"resumes": "INTEGER NOT NULL DEFAULT 0"}
+
+_INSERT_COLUMNS = (
     "task_id, attempt, lease_id, lease_token, device_id, kind, goal, workflow, payload, "
-    "lease_s, state, outcome, retryable, reason, result, fingerprint, created_at"
+    "lease_s, state, outcome, retryable, reason, result, fingerprint, created_at, resumes"
 )
+# A NULL counter (written by hand, or by a tool that did not know it) reads as 0.
+_COLUMNS = _INSERT_COLUMNS.replace("resumes", "COALESCE(resumes, 0)")
 
 
 def _from_row(row: tuple[Any, ...]) -> JournalRecord:
@@ -219,6 +239,7 @@ def _from_row(row: tuple[Any, ...]) -> JournalRecord:
         result,
         fingerprint,
         created_at,
+        resumes,
     ) = row
     return JournalRecord(
         task_id=task_id,
@@ -238,6 +259,7 @@ def _from_row(row: tuple[Any, ...]) -> JournalRecord:
         result=json.loads(result),
         fingerprint=fingerprint,
         created_at=datetime.fromisoformat(created_at),
+        resumes=int(resumes or 0),
     )
 
 
@@ -336,6 +358,10 @@ class Journal:
             if version not in (0, SCHEMA_VERSION):
                 raise _Corrupt(f"unknown journal schema version {version}")
             conn.execute(_SCHEMA)
+            present = {r[1] for r in conn.execute("PRAGMA table_info(entries)").fetchall()}
+            for name, definition in _ADDED_COLUMNS.items():
+                if name not in present:
+                    conn.execute(f"ALTER TABLE entries ADD COLUMN {name} {definition}")
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except BaseException:
             conn.close()
@@ -399,8 +425,8 @@ class Journal:
         result = canonical_json(record.result)
         with self._transaction() as conn:
             cur = conn.execute(
-                f"INSERT OR IGNORE INTO entries ({_COLUMNS}) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT OR IGNORE INTO entries ({_INSERT_COLUMNS}) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     record.task_id,
                     record.attempt,
@@ -419,6 +445,7 @@ class Journal:
                     result,
                     record.fingerprint,
                     record.created_at.isoformat(),
+                    record.resumes,
                 ),
             )
             inserted = cur.rowcount == 1
@@ -460,6 +487,27 @@ class Journal:
             moved = cur.rowcount == 1
         log.debug("journal_entry_running", task_id=task_id, attempt=attempt, moved=moved)
         return moved
+
+    def begin_resume(self, task_id: str, attempt: int) -> int:
+        """Count one more resume of the entry and return the new count, committed
+        (fsynced) before it returns: call it *before* running a resumed attempt,
+        so a run that kills the agent is counted. Raises ``UnknownEntry`` if
+        there is no such entry."""
+        with self._transaction() as conn:
+            cur = conn.execute(
+                "UPDATE entries SET resumes = COALESCE(resumes, 0) + 1 "
+                "WHERE task_id = ? AND attempt = ?",
+                (task_id, attempt),
+            )
+            if cur.rowcount == 0:
+                raise UnknownEntry(task_id, attempt)
+            row = conn.execute(
+                "SELECT resumes FROM entries WHERE task_id = ? AND attempt = ?",
+                (task_id, attempt),
+            ).fetchone()
+            count = int(row[0])
+        log.debug("journal_entry_resumed", task_id=task_id, attempt=attempt, resumes=count)
+        return count
 
     def record_result(
         self,

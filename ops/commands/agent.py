@@ -21,6 +21,8 @@ from ops.config import ConfigError, ensure_state_dir, from_args
 from ops.logging import configure_logging
 from ops.system import AlreadyRunning, single_instance
 
+MAX_RESUMES_ENV = "FLEETLEASE_AGENT_MAX_RESUMES"
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
@@ -64,8 +66,32 @@ def register(sub: Any) -> None:
         default=2.0,
         help="random delay before re-registering after a reconnect",
     )
+    p.add_argument(
+        "--max-resumes",
+        type=int,
+        default=None,
+        help="an attempt resumed this many times after agent restarts (it keeps killing "
+        f"the agent) is reported as a retryable failure instead of run again "
+        f"(env {MAX_RESUMES_ENV}, default 2)",
+    )
     p.add_argument("--debug", action="store_true", help="debug logs and tracebacks")
     p.set_defaults(func=cmd_agent)
+
+
+def max_resumes_from(args: argparse.Namespace) -> int:
+    """``--max-resumes`` > ``FLEETLEASE_AGENT_MAX_RESUMES`` > 2; CliError (usage)
+    for anything but an int >= 0."""
+    if args.max_resumes is not None:
+        value, where = str(args.max_resumes), "--max-resumes"
+    else:
+        value, where = os.environ.get(MAX_RESUMES_ENV, "2"), MAX_RESUMES_ENV
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise CliError(f"{where} must be an integer >= 0, got {value!r}", EXIT_USAGE)
+    return n
 
 
 def agent_dir(state_dir: Path, host_id: str) -> Path:
@@ -106,6 +132,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             EXIT_USAGE,
         )
     try:
+        max_resumes = max_resumes_from(args)
         devices = device_manager_from_spec(args.devices)
         failpoints = parse_failpoints(os.environ.get(FAILPOINTS_ENV))
     except ValueError as exc:
@@ -125,6 +152,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             claim_wait_s=args.claim_wait_s,
             resync_jitter_s=args.resync_jitter_s,
             failpoints=failpoints,
+            max_resumes=max_resumes,
         )
         agent = Agent(config, devices)
     except ConfigError as exc:

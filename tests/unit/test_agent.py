@@ -160,6 +160,8 @@ def test_config_hides_the_credential_and_never_echoes_a_bad_one(tmp_path: Path) 
         ("log_queue_lines", 0),
         ("heartbeat_s", 0),
         ("failpoints", frozenset({"nope"})),
+        ("max_resumes", -1),
+        ("max_resumes", 1.5),
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(tmp_path: Path, name: str, value: Any) -> None:

@@ -240,6 +240,102 @@ def test_entries_survive_close_and_reopen(path: Path) -> None:
     assert entries[0].payload == record().payload
 
 
+def test_begin_resume_counts_durably_and_every_entry_starts_at_zero(path: Path) -> None:
+    with Journal(path) as j:
+        j.add(record("a"))
+        j.add(record("b", created_at=T0 + timedelta(seconds=1)))
+        j.mark_running("a", 1)
+        assert j.get("a", 1).resumes == 0  # type: ignore[union-attr]
+
+        assert j.begin_resume("a", 1) == 1
+        assert j.begin_resume("a", 1) == 2
+
+    with Journal(path) as reopened:
+        counts = {e.task_id: e.resumes for e in reopened.entries()}
+        # The counter survives a result being recorded (the finished entry keeps it).
+        reopened.record_result("a", 1, Outcome.FAILED, True, "gave up", {})
+        finished = reopened.get("a", 1)
+
+    assert counts == {"a": 2, "b": 0}
+    assert finished is not None and finished.resumes == 2
+    assert finished.state is EntryState.FINISHED
+
+
+def test_begin_resume_of_an_unknown_entry_raises(journal: Journal) -> None:
+    with pytest.raises(UnknownEntry):
+        journal.begin_resume("nope", 1)
+
+
+# The schema of the first release: no resume counter.
+_OLD_SCHEMA = """
+CREATE TABLE entries (
+    task_id TEXT NOT NULL, attempt INTEGER NOT NULL, lease_id TEXT NOT NULL,
+    lease_token TEXT NOT NULL, device_id TEXT NOT NULL, kind TEXT NOT NULL, goal TEXT,
+    workflow TEXT, payload TEXT NOT NULL, lease_s REAL NOT NULL, state TEXT NOT NULL,
+    outcome TEXT, retryable INTEGER NOT NULL DEFAULT 0, reason TEXT NOT NULL DEFAULT '',
+    result TEXT NOT NULL DEFAULT '{}', fingerprint TEXT, created_at TEXT NOT NULL,
+    PRIMARY KEY (task_id, attempt)
+)
+"""
+
+
+def test_a_journal_of_the_old_format_reads_with_zero_resumes_and_counts_on(path: Path) -> None:
+    import sqlite3
+
+    path.parent.mkdir(parents=True)
+    conn = sqlite3.connect(path)
+    conn.execute(_OLD_SCHEMA)
+    conn.execute(
+        "INSERT INTO entries (task_id, attempt, lease_id, lease_token, device_id, kind, goal, "
+        "payload, lease_s, state, created_at) VALUES (?, 1, 'l', ?, 'sim-0', 'goal', 'g', "
+        "'{}', 30.0, 'running', ?)",
+        ("old-task", TOKEN, T0.isoformat()),
+    )
+    conn.execute("PRAGMA user_version=1")
+    conn.commit()
+    conn.close()
+
+    with capture_logs() as logs, Journal(path) as j:
+        [old] = j.entries()
+        assert (old.task_id, old.state, old.resumes) == ("old-task", EntryState.RUNNING, 0)
+        assert j.begin_resume("old-task", 1) == 1
+        j.add(record("new"))
+        assert j.get("new", 1).resumes == 0  # type: ignore[union-attr]
+
+    assert not [e for e in logs if e["event"] == "journal_corrupt_recovered"]
+    assert not _corrupt_siblings(path)
+    with Journal(path) as reopened:
+        assert reopened.get("old-task", 1).resumes == 1  # type: ignore[union-attr]
+
+
+def test_a_torn_resume_commit_leaves_the_previous_count(path: Path, tmp_path: Path) -> None:
+    """The agent dies while the counter's commit is being written (torn WAL
+    frame): the reopened journal has the entry with the count before, never a
+    garbled one, and does not move the file aside."""
+    import shutil
+
+    with Journal(path) as j:
+        j.add(record())
+        j.mark_running("task-1", 1)
+        assert j.begin_resume("task-1", 1) == 1
+        assert j.begin_resume("task-1", 1) == 2
+        # A crash now: copy the files as they are on disk, WAL and all.
+        crashed = tmp_path / "crashed" / path.name
+        crashed.parent.mkdir()
+        shutil.copy(path, crashed)
+        wal = path.with_name(path.name + "-wal")
+        assert wal.exists() and wal.stat().st_size > 200
+        crashed_wal = crashed.with_name(crashed.name + "-wal")
+        shutil.copy(wal, crashed_wal)
+    os.truncate(crashed_wal, crashed_wal.stat().st_size - 100)
+
+    with capture_logs() as logs, Journal(crashed) as reopened:
+        entry = reopened.get("task-1", 1)
+
+    assert entry is not None and entry.resumes == 1
+    assert not [e for e in logs if e["event"] == "journal_corrupt_recovered"]
+
+
 def test_journal_file_is_private_to_the_owner(path: Path) -> None:
     with Journal(path) as j:
         j.add(record())
@@ -392,6 +488,7 @@ def test_in_state_dir_uses_the_standard_file_name(tmp_path: Path) -> None:
         ({"created_at": datetime(2030, 1, 1)}, "created_at"),
         ({"state": EntryState.FINISHED}, "fingerprint"),
         ({"task_id": ""}, "task_id"),
+        ({"resumes": -1}, "resumes"),
     ],
 )
 def test_invalid_records_are_rejected(overrides: dict[str, Any], field: str) -> None:
