@@ -38,7 +38,7 @@ from actors.messages import Crash, Message
 from persistence.clock import Clock
 from persistence.errors import Invalid, RepositoryError, Unavailable
 from persistence.model import LeaseStatus
-from persistence.repository import Renewal, Repository
+from persistence.repository import Renewal, Repository, Transition
 
 if TYPE_CHECKING:
     from pykka._actor import ActorInbox
@@ -84,7 +84,8 @@ class Context:
 
     ``emit`` and ``wake_hosts`` are safe to call from any thread: they hop onto
     the event loop. ``renew`` is the coroutine factory used for renewals (group
-    commit through ``renew_many`` when enabled)."""
+    commit through ``renew_many`` when enabled), ``transition`` the one for the
+    other host transitions."""
 
     repo: Repository
     bridge: Bridge
@@ -99,6 +100,9 @@ class Context:
     #: ``(host_id, device_id)`` pairs (the polls that may claim that device).
     wake_hosts: Callable[[Iterable[str | tuple[str, str]]], None] = lambda hosts: None
     renew: Callable[[Renewal], Coroutine[Any, Any, LeaseStatus]] | None = None
+    #: Runs a fenced host transition (claim, ack, progress, result): group commit
+    #: through ``run_many`` when enabled, else ``repo.run_one``.
+    transition: Callable[[Transition], Coroutine[Any, Any, Any]] | None = None
     stats: Stats = field(default_factory=Stats)
     supervisor: Supervisor | None = None
 
@@ -111,6 +115,12 @@ class Context:
     def db(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """Run a repository coroutine on the loop, from an actor thread."""
         return self.bridge.run(coro, self.db_timeout_s)
+
+    def run_transition(self, t: Transition) -> Any:
+        """Run a fenced host transition on the loop (committed when it returns),
+        from an actor thread."""
+        run = self.transition or self.repo.run_one
+        return self.bridge.run(run(t), self.db_timeout_s)
 
     def event(
         self, *, task_id: str, state: str, attempt: int, host_id: str | None

@@ -1,12 +1,16 @@
-"""Group commit for lease renewals.
+"""Group commit: concurrent transitions share one transaction.
 
-Renewals from many Lease actors that arrive together share one
-``repo.renew_many`` transaction. There is no batching delay: while up to
-``max_inflight`` batches are being committed, new renewals queue up, and the
-next free flusher takes everything queued (up to ``max_batch``). At low load a
-renewal is a batch of one; at high load the batches grow by themselves. Each
-caller still waits for the commit of its own batch, and gets its own outcome
-(``renew_many`` never lets one entry's error roll back another's).
+Two writers, one shape. ``RenewBatcher`` groups lease renewals into
+``repo.renew_many`` (one multi-row statement); ``TransitionBatcher`` groups the
+other fenced host transitions (claim, ack, progress, result) into
+``repo.run_many`` (one transaction, one commit, each transition its own
+statements). There is no batching delay: while up to ``max_inflight`` batches are
+being committed, new work queues up, and the next free flusher takes everything
+queued (up to ``max_batch``). At low load a transition is a batch of one (its
+own transaction, as without group commit); under load the batches grow by
+themselves and a commit is shared by many. Each caller still waits for the
+commit of its own batch before anyone replies, and gets its own outcome: one
+entry's refusal never rolls back another's.
 
 Runs on the event loop; Lease actors reach it through ``Bridge.run``.
 """
@@ -14,17 +18,22 @@ Runs on the event loop; Lease actors reach it through ``Bridge.run``.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
 
 import structlog
 
 from persistence.model import LeaseStatus
-from persistence.repository import Renewal, Repository
+from persistence.repository import Renewal, Repository, Transition
 
 log = structlog.get_logger("fleetlease.groupcommit")
 
+I = TypeVar("I")  # noqa: E741 - an item of a batch
+R = TypeVar("R")  # its outcome
 
-class RenewBatcher:
-    def __init__(self, repo: Repository, *, max_batch: int = 256, max_inflight: int = 4) -> None:
+
+class _GroupCommit(Generic[I, R]):
+    def __init__(self, repo: Repository, *, max_batch: int, max_inflight: int) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch!r}")
         if max_inflight < 1:
@@ -32,24 +41,24 @@ class RenewBatcher:
         self.repo = repo
         self.max_batch = max_batch
         self.max_inflight = max_inflight
-        self._pending: list[tuple[Renewal, asyncio.Future[LeaseStatus]]] = []
+        self._pending: list[tuple[I, asyncio.Future[R]]] = []
         self._flushers: set[asyncio.Task[None]] = set()
+        #: Transactions committed, and the items they carried.
         self.batches = 0
-        self.renewals = 0
-        self._supported = True
+        self.items = 0
 
-    async def renew(self, renewal: Renewal) -> LeaseStatus:
-        if not self._supported:
-            return await self.repo.renew(
-                renewal.session, renewal.task_id, renewal.attempt, renewal.lease_token
-            )
-        fut: asyncio.Future[LeaseStatus] = asyncio.get_running_loop().create_future()
-        self._pending.append((renewal, fut))
+    async def submit(self, item: I) -> R:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[R] = loop.create_future()
+        self._pending.append((item, fut))
         if len(self._flushers) < self.max_inflight:
-            task = asyncio.get_running_loop().create_task(self._flush())
+            task = loop.create_task(self._flush())
             self._flushers.add(task)
             task.add_done_callback(self._flushers.discard)
         return await fut
+
+    async def _commit(self, items: Sequence[I]) -> Sequence[R | Exception]:
+        raise NotImplementedError
 
     async def _flush(self) -> None:
         while self._pending:
@@ -59,48 +68,55 @@ class RenewBatcher:
             if not batch:
                 continue
             self.batches += 1
-            self.renewals += len(batch)
+            self.items += len(batch)
             try:
-                results = await self.repo.renew_many([r for r, _ in batch])
-            except NotImplementedError:
-                # A repository without renew_many: one transaction per renewal.
-                self._supported = False
-                log.warning("groupcommit.renew_many_unsupported")
-                for r, f in batch:
-                    try:
-                        status = await self.repo.renew(
-                            r.session, r.task_id, r.attempt, r.lease_token
-                        )
-                    except Exception as exc:
-                        _fail(f, exc)
-                    else:
-                        _resolve(f, status)
-                continue
+                results = await self._commit([r for r, _ in batch])
             except Exception as exc:
                 for _, f in batch:
                     _fail(f, exc)
                 continue
             if len(results) != len(batch):
-                err = RuntimeError("renew_many returned a wrong number of outcomes")
+                err = RuntimeError("a batch returned a wrong number of outcomes")
                 for _, f in batch:
                     _fail(f, err)
                 continue
             for (_, f), outcome in zip(batch, results, strict=True):
                 if isinstance(outcome, Exception):
                     _fail(f, outcome)
-                else:
-                    _resolve(f, outcome)
+                elif not f.done():
+                    f.set_result(outcome)
 
     async def close(self) -> None:
         if self._flushers:
             await asyncio.gather(*self._flushers, return_exceptions=True)
 
 
-def _fail(f: asyncio.Future[LeaseStatus], exc: BaseException) -> None:
+class RenewBatcher(_GroupCommit[Renewal, LeaseStatus]):
+    def __init__(self, repo: Repository, *, max_batch: int = 256, max_inflight: int = 4) -> None:
+        super().__init__(repo, max_batch=max_batch, max_inflight=max_inflight)
+
+    @property
+    def renewals(self) -> int:
+        return self.items
+
+    async def renew(self, renewal: Renewal) -> LeaseStatus:
+        return await self.submit(renewal)
+
+    async def _commit(self, items: Sequence[Renewal]) -> Sequence[LeaseStatus | Exception]:
+        return await self.repo.renew_many(items)
+
+
+class TransitionBatcher(_GroupCommit[Transition, Any]):
+    def __init__(self, repo: Repository, *, max_batch: int = 64, max_inflight: int = 4) -> None:
+        super().__init__(repo, max_batch=max_batch, max_inflight=max_inflight)
+
+    async def run(self, transition: Transition) -> Any:
+        return await self.submit(transition)
+
+    async def _commit(self, items: Sequence[Transition]) -> Sequence[Any]:
+        return await self.repo.run_many(items)
+
+
+def _fail(f: asyncio.Future[Any], exc: BaseException) -> None:
     if not f.done():
         f.set_exception(exc)
-
-
-def _resolve(f: asyncio.Future[LeaseStatus], status: LeaseStatus) -> None:
-    if not f.done():
-        f.set_result(status)

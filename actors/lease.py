@@ -73,7 +73,7 @@ class LeaseActor(FleetActor):
     # --- host messages ----------------------------------------------------------------
     def _claim(self, m: Claim) -> None:
         failpoints.hit(failpoints.LEASE_BEFORE_COMMIT)
-        claimed = self.ctx.db(self.ctx.repo.claim(m.session, m.task_id, m.attempt))
+        claimed = self.ctx.run_transition(self.ctx.repo.claim_op(m.session, m.task_id, m.attempt))
         failpoints.hit(failpoints.LEASE_AFTER_COMMIT_BEFORE_REPLY)
         assert m.reply is not None
         m.reply.set_result(claimed)
@@ -83,7 +83,9 @@ class LeaseActor(FleetActor):
 
     def _ack(self, m: Ack) -> None:
         failpoints.hit(failpoints.LEASE_BEFORE_COMMIT)
-        status = self.ctx.db(self.ctx.repo.ack(m.session, m.task_id, m.attempt, m.lease_token))
+        status = self.ctx.run_transition(
+            self.ctx.repo.ack_op(m.session, m.task_id, m.attempt, m.lease_token)
+        )
         failpoints.hit(failpoints.LEASE_AFTER_COMMIT_BEFORE_REPLY)
         self._after_status(m.reply, status)
 
@@ -106,16 +108,16 @@ class LeaseActor(FleetActor):
 
     def _progress(self, m: Progress) -> None:
         failpoints.hit(failpoints.LEASE_BEFORE_COMMIT)
-        status = self.ctx.db(
-            self.ctx.repo.progress(m.session, m.task_id, m.attempt, m.lease_token, m.seq)
+        status = self.ctx.run_transition(
+            self.ctx.repo.progress_op(m.session, m.task_id, m.attempt, m.lease_token, m.seq)
         )
         failpoints.hit(failpoints.LEASE_AFTER_COMMIT_BEFORE_REPLY)
         self._after_status(m.reply, status)
 
     def _report_result(self, m: ReportResult) -> None:
         failpoints.hit(failpoints.LEASE_BEFORE_COMMIT)
-        record = self.ctx.db(
-            self.ctx.repo.report_result(
+        record = self.ctx.run_transition(
+            self.ctx.repo.report_result_op(
                 m.session,
                 m.task_id,
                 m.attempt,

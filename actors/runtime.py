@@ -51,7 +51,7 @@ from pykka import ActorDeadError, ActorRef
 
 from actors.base import Context, NotDelivered, Stats
 from actors.bridge import Bridge, Reply
-from actors.groupcommit import RenewBatcher
+from actors.groupcommit import RenewBatcher, TransitionBatcher
 from actors.lease import LeaseActor
 from actors.messages import (
     Ack,
@@ -157,6 +157,7 @@ class ControlPlane:
         self._started = False
         self._ticker: asyncio.Task[None] | None = None
         self._batcher: RenewBatcher | None = None
+        self._tbatcher: TransitionBatcher | None = None
         self._ctx: Context | None = None
         self._sup: Supervisor | None = None
         self.stats = Stats()
@@ -188,6 +189,7 @@ class ControlPlane:
             threading.stack_size(self.stack_size)
         bridge = Bridge(self._loop)
         self._batcher = RenewBatcher(self.repo) if self.group_commit else None
+        self._tbatcher = TransitionBatcher(self.repo) if self.group_commit else None
         self._ctx = Context(
             repo=self.repo,
             bridge=bridge,
@@ -199,6 +201,7 @@ class ControlPlane:
             emit=self._emit_threadsafe,
             wake_hosts=self._wake_hosts_threadsafe,
             renew=self._batcher.renew if self._batcher is not None else None,
+            transition=self._tbatcher.run if self._tbatcher is not None else None,
             stats=self.stats,
         )
         sup = Supervisor(self._ctx)
@@ -233,8 +236,9 @@ class ControlPlane:
                 await asyncio.wait_for(self._idle.wait(), grace_s)
         refs = self._sup.shutdown()
         await self.loop.run_in_executor(None, Supervisor.stop_actors, refs, grace_s)
-        if self._batcher is not None:
-            await self._batcher.close()
+        for batcher in (self._batcher, self._tbatcher):
+            if batcher is not None:
+                await batcher.close()
         self._started = False
         log.info("control_plane.stopped")
 
@@ -263,6 +267,9 @@ class ControlPlane:
         if self._batcher is not None:
             m["renew_batches"] = self._batcher.batches
             m["renewals_batched"] = self._batcher.renewals
+        if self._tbatcher is not None:
+            m["transition_batches"] = self._tbatcher.batches
+            m["transitions_batched"] = self._tbatcher.items
         return m
 
     def lease_actor(self, task_id: str) -> ActorRef[LeaseActor] | None:

@@ -134,6 +134,25 @@ class Renewal:
     lease_token: str
 
 
+class _BatchAborted(Exception):
+    """A transition of a shared transaction failed after it may have written."""
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One fenced host transition (claim, ack, progress, result), validated and
+    ready to run inside a transaction: ``run(conn, now)`` loads, fences and
+    writes. Built by the ``*_op`` methods; ``run_one`` gives it a transaction of
+    its own, ``run_many`` lets many share one (group commit).
+
+    Every ``run`` raises its typed errors before its first write, so a refused
+    transition leaves nothing behind in a shared transaction."""
+
+    op: str
+    task_id: str
+    run: Callable[[AsyncConnection, datetime], Awaitable[Any]]
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Ending:
     """How one active attempt ends (expiry, loss, revocation)."""
@@ -921,11 +940,63 @@ class Repository:
             raise Conflict("the task changed underneath", reason="cas_failed", task_id=task_id)
 
     # --- claim / ack / renew / progress ------------------------------------------
+    async def run_one(self, t: Transition) -> Any:
+        """A transition in a transaction of its own."""
+        return await self._tx(t.op, t.run)
+
+    async def run_many(self, ts: Sequence[Transition]) -> list[Any]:
+        """Many transitions in one transaction (one commit): each gets its own
+        outcome (a result or a ``RepositoryError``); a typed error for one never
+        rolls back the others (each refuses before writing). They run in task id
+        order, so concurrent batches lock rows in one order.
+
+        ``Unavailable`` (the database is down or the commit's fate unknown) is
+        every transition's outcome. Any other failure that aborts the shared
+        transaction (a compare-and-set that found a written row inconsistent, an
+        unexpected database error) rolls it all back; then each transition runs
+        in a transaction of its own, so only the culprit fails."""
+        if not ts:
+            return []
+        if len(ts) == 1:
+            return [await self._outcome(ts[0])]
+        order = sorted(range(len(ts)), key=lambda i: ts[i].task_id)
+
+        async def run(conn: AsyncConnection, now: datetime) -> list[Any]:
+            out: list[Any] = [None] * len(ts)
+            for i in order:
+                try:
+                    out[i] = await ts[i].run(conn, now)
+                except RepositoryError as exc:
+                    if exc.fields.get("reason") == "cas_failed":
+                        raise _BatchAborted from exc  # it may have written: undo all
+                    out[i] = exc
+            return out
+
+        try:
+            result: list[Any] = await self._tx("transitions", run)
+            return result
+        except Unavailable as exc:
+            return [exc] * len(ts)
+        except Exception as exc:  # isolated below, one by one
+            log.warning("repository.batch_isolated", size=len(ts), error=repr(exc))
+        return [await self._outcome(t) for t in ts]
+
+    async def _outcome(self, t: Transition) -> Any:
+        try:
+            return await self.run_one(t)
+        except RepositoryError as exc:
+            return exc
+
     async def claim(self, session: Session, task_id: str, attempt: int) -> Claimed:
         """assigned -> dispatched, only by the owning host with its current session
         before the claim deadline. Generates the lease token (returned once), stores
         only its SHA-256, sets ack deadline and the session generation on the
         attempt. Concurrent claims: exactly one wins, the others get ``Conflict``."""
+        result: Claimed = await self.run_one(self.claim_op(session, task_id, attempt))
+        return result
+
+    def claim_op(self, session: Session, task_id: str, attempt: int) -> Transition:
+        """``claim`` as a :class:`Transition` (validated now, run later)."""
         _check_session(session)
         tid = _check_task_id(task_id)
         _check_int(attempt, "attempt", 1, MAX_INT32)
@@ -935,7 +1006,7 @@ class Repository:
             self._fence_owner(row, session, attempt)
             return await self._claim_row(conn, row, session, now)
 
-        return await self._tx("claim", run)
+        return Transition("claim", tid, run)
 
     async def _claim_row(
         self, conn: AsyncConnection, row: RowMapping, session: Session, now: datetime
@@ -1095,6 +1166,13 @@ class Repository:
     ) -> LeaseStatus:
         """dispatched -> running before the ack deadline; starts the execution lease.
         Repeated ack of a running attempt returns the current status."""
+        result: LeaseStatus = await self.run_one(
+            self.ack_op(session, task_id, attempt, lease_token)
+        )
+        return result
+
+    def ack_op(self, session: Session, task_id: str, attempt: int, lease_token: str) -> Transition:
+        """``ack`` as a :class:`Transition`."""
         tid = self._check_lease_args(session, task_id, attempt, lease_token)
 
         async def run(conn: AsyncConnection, now: datetime) -> LeaseStatus:
@@ -1117,7 +1195,7 @@ class Repository:
             )
             return self._status(row, TaskState.RUNNING.value, expires)
 
-        return await self._tx("ack", run)
+        return Transition("ack", tid, run)
 
     async def renew(
         self, session: Session, task_id: str, attempt: int, lease_token: str
@@ -1274,6 +1352,15 @@ class Repository:
     ) -> LeaseStatus:
         """A progress report: counts as a renewal; ``progress_seq`` only grows (an
         older or equal seq is accepted as a renewal but does not move it back)."""
+        result: LeaseStatus = await self.run_one(
+            self.progress_op(session, task_id, attempt, lease_token, seq)
+        )
+        return result
+
+    def progress_op(
+        self, session: Session, task_id: str, attempt: int, lease_token: str, seq: int
+    ) -> Transition:
+        """``progress`` as a :class:`Transition`."""
         tid = self._check_lease_args(session, task_id, attempt, lease_token)
         _check_int(seq, "seq", 0, 2**63 - 1)
 
@@ -1294,7 +1381,7 @@ class Repository:
                 )
             return self._status(row, row["status"], deadline)
 
-        return await self._tx("progress", run)
+        return Transition("progress", tid, run)
 
     # --- results -----------------------------------------------------------------
     async def report_result(
@@ -1315,6 +1402,35 @@ class Repository:
         backoff). Releases the reservation. Replay with the same attempt and
         fingerprint returns the recorded outcome (``replayed=True``); a different
         fingerprint or a stale attempt is ``Conflict``."""
+        record: ResultRecord = await self.run_one(
+            self.report_result_op(
+                session,
+                task_id,
+                attempt,
+                lease_token,
+                outcome=outcome,
+                retryable=retryable,
+                reason=reason,
+                result=result,
+                fingerprint=fingerprint,
+            )
+        )
+        return record
+
+    def report_result_op(
+        self,
+        session: Session,
+        task_id: str,
+        attempt: int,
+        lease_token: str,
+        *,
+        outcome: Outcome,
+        retryable: bool = False,
+        reason: str = "",
+        result: dict[str, Any] | None = None,
+        fingerprint: str,
+    ) -> Transition:
+        """``report_result`` as a :class:`Transition`."""
         tid = self._check_lease_args(session, task_id, attempt, lease_token)
         try:
             out = Outcome(outcome)
@@ -1341,7 +1457,7 @@ class Repository:
                 conn, row, now, out, retryable, reason, res, fingerprint
             )
 
-        return await self._tx("report_result", run)
+        return Transition("report_result", tid, run)
 
     @staticmethod
     def _replay(row: RowMapping, fingerprint: str) -> ResultRecord:
