@@ -42,6 +42,7 @@ import math
 import random
 import re
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -150,7 +151,11 @@ class Transition:
 
     op: str
     task_id: str
-    run: Callable[[AsyncConnection, datetime], Awaitable[Any]]
+    attempt: int
+    host_id: str
+    #: ``run(conn, now, row)``: ``row`` is the fenced row (task, attempt and the
+    #: caller's host) when ``run_many`` already loaded and locked it, else None.
+    run: Callable[[AsyncConnection, datetime, RowMapping | None], Awaitable[Any]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -793,30 +798,37 @@ class Repository:
         session: Session,
         task_id: str,
         attempt: int,
+        preloaded: RowMapping | None = None,
     ) -> RowMapping:
         """Lock the task and the referenced attempt and read the caller's host row,
-        in one statement; raise the precise error when there is no such pair."""
-        row = (
-            (
-                await conn.execute(
-                    sa.select(
-                        *_FENCE_COLUMNS,
-                        hosts.c.session_generation.label("host_generation"),
-                        hosts.c.revoked_at.label("host_revoked_at"),
+        in one statement (or take that row from ``run_many``'s batch read); raise
+        the precise error when there is no such pair."""
+        if preloaded is not None:
+            row: RowMapping | None = preloaded
+        else:
+            row = (
+                (
+                    await conn.execute(
+                        sa.select(
+                            *_FENCE_COLUMNS,
+                            hosts.c.session_generation.label("host_generation"),
+                            hosts.c.revoked_at.label("host_revoked_at"),
+                        )
+                        .select_from(
+                            tasks.join(
+                                attempts,
+                                sa.and_(
+                                    attempts.c.task_id == tasks.c.id, attempts.c.number == attempt
+                                ),
+                            ).outerjoin(hosts, hosts.c.host_id == session.host_id)
+                        )
+                        .where(tasks.c.id == task_id)
+                        .with_for_update(of=[tasks, attempts])
                     )
-                    .select_from(
-                        tasks.join(
-                            attempts,
-                            sa.and_(attempts.c.task_id == tasks.c.id, attempts.c.number == attempt),
-                        ).outerjoin(hosts, hosts.c.host_id == session.host_id)
-                    )
-                    .where(tasks.c.id == task_id)
-                    .with_for_update(of=[tasks, attempts])
                 )
+                .mappings()
+                .first()
             )
-            .mappings()
-            .first()
-        )
         if row is not None:
             if not _session_ok(session, row["host_generation"], row["host_revoked_at"]):
                 raise _unauthorized(session)
@@ -942,7 +954,7 @@ class Repository:
     # --- claim / ack / renew / progress ------------------------------------------
     async def run_one(self, t: Transition) -> Any:
         """A transition in a transaction of its own."""
-        return await self._tx(t.op, t.run)
+        return await self._tx(t.op, lambda conn, now: t.run(conn, now, None))
 
     async def run_many(self, ts: Sequence[Transition]) -> list[Any]:
         """Many transitions in one transaction (one commit): each gets its own
@@ -960,12 +972,18 @@ class Repository:
         if len(ts) == 1:
             return [await self._outcome(ts[0])]
         order = sorted(range(len(ts)), key=lambda i: ts[i].task_id)
+        # One locking read for the batch; a task named twice reads its own row
+        # (the first transition may change it).
+        seen = Counter(t.task_id for t in ts)
+        keys = [(t.task_id, t.attempt, t.host_id) for t in ts if seen[t.task_id] == 1]
 
         async def run(conn: AsyncConnection, now: datetime) -> list[Any]:
+            rows = await self._load_fenced_many(conn, keys)
             out: list[Any] = [None] * len(ts)
             for i in order:
+                t = ts[i]
                 try:
-                    out[i] = await ts[i].run(conn, now)
+                    out[i] = await t.run(conn, now, rows.get((t.task_id, t.attempt, t.host_id)))
                 except RepositoryError as exc:
                     if exc.fields.get("reason") == "cas_failed":
                         raise _BatchAborted from exc  # it may have written: undo all
@@ -980,6 +998,49 @@ class Repository:
         except Exception as exc:  # isolated below, one by one
             log.warning("repository.batch_isolated", size=len(ts), error=repr(exc))
         return [await self._outcome(t) for t in ts]
+
+    async def _load_fenced_many(
+        self, conn: AsyncConnection, keys: Sequence[tuple[str, int, str]]
+    ) -> dict[tuple[str, int, str], RowMapping]:
+        """``_load`` for a batch: (task, attempt, caller's host) rows locked in
+        task id order, in one statement. A key with no row is left out (its
+        transition loads it itself, to raise the precise error)."""
+        if not keys:
+            return {}
+        u = _unnest(
+            "k",
+            task_id=(UUIDT, [k[0] for k in keys]),
+            number=(sa.Integer, [k[1] for k in keys]),
+            host_id=(sa.Text, [k[2] for k in keys]),
+        )
+        rows = (
+            (
+                await conn.execute(
+                    sa.select(
+                        *_FENCE_COLUMNS,
+                        u.c.host_id.label("k_host_id"),
+                        hosts.c.session_generation.label("host_generation"),
+                        hosts.c.revoked_at.label("host_revoked_at"),
+                    )
+                    .select_from(
+                        u.join(
+                            attempts,
+                            sa.and_(
+                                attempts.c.task_id == u.c.task_id,
+                                attempts.c.number == u.c.number,
+                            ),
+                        )
+                        .join(tasks, tasks.c.id == attempts.c.task_id)
+                        .outerjoin(hosts, hosts.c.host_id == u.c.host_id)
+                    )
+                    .order_by(tasks.c.id)
+                    .with_for_update(of=[tasks, attempts])
+                )
+            )
+            .mappings()
+            .all()
+        )
+        return {(r["task_id"], r["a_number"], r["k_host_id"]): r for r in rows}
 
     async def _outcome(self, t: Transition) -> Any:
         try:
@@ -1001,12 +1062,12 @@ class Repository:
         tid = _check_task_id(task_id)
         _check_int(attempt, "attempt", 1, MAX_INT32)
 
-        async def run(conn: AsyncConnection, now: datetime) -> Claimed:
-            row = await self._load(conn, session, tid, attempt)
+        async def run(conn: AsyncConnection, now: datetime, pre: RowMapping | None) -> Claimed:
+            row = await self._load(conn, session, tid, attempt, pre)
             self._fence_owner(row, session, attempt)
             return await self._claim_row(conn, row, session, now)
 
-        return Transition("claim", tid, run)
+        return Transition("claim", tid, attempt, session.host_id, run)
 
     async def _claim_row(
         self, conn: AsyncConnection, row: RowMapping, session: Session, now: datetime
@@ -1175,8 +1236,8 @@ class Repository:
         """``ack`` as a :class:`Transition`."""
         tid = self._check_lease_args(session, task_id, attempt, lease_token)
 
-        async def run(conn: AsyncConnection, now: datetime) -> LeaseStatus:
-            row = await self._load(conn, session, tid, attempt)
+        async def run(conn: AsyncConnection, now: datetime, pre: RowMapping | None) -> LeaseStatus:
+            row = await self._load(conn, session, tid, attempt, pre)
             self._fence_lease(row, session, attempt, lease_token)
             if row["status"] == TaskState.RUNNING.value:
                 if not row["a_lease_expires_at"] > now:
@@ -1195,7 +1256,7 @@ class Repository:
             )
             return self._status(row, TaskState.RUNNING.value, expires)
 
-        return Transition("ack", tid, run)
+        return Transition("ack", tid, attempt, session.host_id, run)
 
     async def renew(
         self, session: Session, task_id: str, attempt: int, lease_token: str
@@ -1364,8 +1425,8 @@ class Repository:
         tid = self._check_lease_args(session, task_id, attempt, lease_token)
         _check_int(seq, "seq", 0, 2**63 - 1)
 
-        async def run(conn: AsyncConnection, now: datetime) -> LeaseStatus:
-            row = await self._load(conn, session, tid, attempt)
+        async def run(conn: AsyncConnection, now: datetime, pre: RowMapping | None) -> LeaseStatus:
+            row = await self._load(conn, session, tid, attempt, pre)
             self._fence_lease(row, session, attempt, lease_token)
             deadline = self._deadline(row)
             if not deadline > now:
@@ -1381,7 +1442,7 @@ class Repository:
                 )
             return self._status(row, row["status"], deadline)
 
-        return Transition("progress", tid, run)
+        return Transition("progress", tid, attempt, session.host_id, run)
 
     # --- results -----------------------------------------------------------------
     async def report_result(
@@ -1442,8 +1503,8 @@ class Repository:
         res = None if result is None else _check_json_dict(result, "result")
         _check_str(fingerprint, "fingerprint", max_len=256)
 
-        async def run(conn: AsyncConnection, now: datetime) -> ResultRecord:
-            row = await self._load(conn, session, tid, attempt)
+        async def run(conn: AsyncConnection, now: datetime, pre: RowMapping | None) -> ResultRecord:
+            row = await self._load(conn, session, tid, attempt, pre)
             if not matches(lease_token, row["a_token_hash"]):
                 raise Conflict("lease token does not match", reason="wrong_lease", task_id=tid)
             if row["a_host_id"] != session.host_id:
@@ -1457,7 +1518,7 @@ class Repository:
                 conn, row, now, out, retryable, reason, res, fingerprint
             )
 
-        return Transition("report_result", tid, run)
+        return Transition("report_result", tid, attempt, session.host_id, run)
 
     @staticmethod
     def _replay(row: RowMapping, fingerprint: str) -> ResultRecord:
@@ -2549,6 +2610,7 @@ class Repository:
             raise Invalid("lines must be a sequence of at most 10000 strings", field="lines")
         for line in lines:
             _check_str(line, "lines", max_len=65536, empty=True)
+
         async def run(conn: AsyncConnection, now: datetime) -> int:
             # Fenced even for an empty batch: a revoked or foreign host gets its error.
             await self._own_attempt(conn, session, tid, attempt)
