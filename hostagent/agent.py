@@ -50,6 +50,14 @@ while the control plane does not answer -> journal ``remove``.
   reported for that attempt and its journal entry is dropped.
 - A result answered with an error other than ``unavailable``/``internal`` is
   stale (the lease expired meanwhile, another attempt exists): dropped.
+- An ack not answered by the attempt's ack deadline (from the claim; a
+  partition) is given up locally: no retry after the deadline, the runner is
+  never started, ``ack_given_up`` is logged, and the journal entry is *kept*
+  for the next reconciliation to settle (the control plane has expired the
+  attempt, unless the ack got through just in time: then it is confirmed and
+  resumed). With a session up, the first ack is always sent and waited for in
+  full, so an agent whose clock runs ahead of the control plane's still gets
+  its acks through; retries and waits for a session stop at the deadline.
 
 Logs and artifacts leave through bounded in-memory queues shipped by their own
 tasks on the LOGS and ARTIFACTS connections. A full queue drops its *oldest*
@@ -67,6 +75,14 @@ operator restarting an agent must not cancel users' work. If the user had
 requested a cancel, ``cancelled`` is reported as usual. A report that cannot be
 delivered before the end of the shutdown stays in the journal and is
 reconciled by the next start.
+
+Broker refusal: a NATS server that refuses the host's authorization on a
+(re)connect ("Authorization Violation": on a secured broker the auth callout
+refuses a revoked or unknown host) makes the agent stop with
+:class:`BrokerRefused` once the refusals have lasted ``broker_refused_s``
+without a successful connect in between (a callout briefly unavailable, as
+while the control plane restarts, is refused the same way and must not stop
+the agent). Plain connection errors are retried forever.
 
 Test hook: ``FLEETLEASE_AGENT_FAILPOINTS`` (comma-separated names of
 :data:`FAILPOINTS`) makes the agent SIGKILL itself at that point, so crash
@@ -86,6 +102,7 @@ import random
 import re
 import signal
 import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass, field
@@ -94,6 +111,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import structlog
+from nats.errors import AuthorizationError as NatsAuthorizationError
 from nats.errors import Error as NatsError
 
 from hostagent.devices import DeviceManager, UnknownDevice
@@ -117,6 +135,7 @@ __all__ = [
     "AgentError",
     "AgentStats",
     "Backoff",
+    "BrokerRefused",
     "DropOldestQueue",
     "RegistrationRefused",
     "parse_failpoints",
@@ -189,6 +208,29 @@ class RegistrationRefused(AgentError):
         self.code = "forbidden" if code == "forbidden" else "unauthorized"
 
 
+class BrokerRefused(AgentError):
+    """The NATS server keeps refusing this host's authorization."""
+
+    code = "unauthorized"
+
+    def __init__(self, host_id: str, detail: str, refused_for_s: float) -> None:
+        self.host_id = host_id
+        self.refused_for_s = refused_for_s
+        super().__init__(
+            f"the NATS server refuses host {host_id!r} ({detail.strip()}, for "
+            f"{refused_for_s:.0f}s): the host was revoked or is unknown to the control "
+            "plane, or --token-file is not its credential"
+        )
+
+
+def is_authorization_refusal(exc: BaseException) -> bool:
+    """Whether a nats-py error means the server refused the connect's
+    authorization (not a network error)."""
+    if isinstance(exc, NatsAuthorizationError):
+        return True
+    return isinstance(exc, NatsError) and "authorization violation" in str(exc).lower()
+
+
 class _Aborted(Exception):
     """An attempt's wait was cut short because its lease was lost."""
 
@@ -259,6 +301,9 @@ class AgentConfig:
     #: A journal entry resumed this many times after agent restarts is not run
     #: again: it is reported as a retryable failure (a poison attempt).
     max_resumes: int = 2
+    #: Exit (``BrokerRefused``) once the NATS server has refused the host's
+    #: authorization for this long with no successful connect in between.
+    broker_refused_s: float = 15.0
     failpoints: frozenset[str] = frozenset()
     connect_options: Mapping[str, Any] = field(default_factory=dict)
 
@@ -287,6 +332,7 @@ class AgentConfig:
             "grace_s",
             "handback_timeout_s",
             "flush_timeout_s",
+            "broker_refused_s",
         ):
             _non_negative(name, getattr(self, name))
         if self.heartbeat_s is not None:
@@ -428,6 +474,7 @@ class AgentStats:
     results_reported: int = 0
     results_rejected: int = 0
     leases_lost: int = 0
+    acks_given_up: int = 0
     handed_back: int = 0
     log_lines_sent: int = 0
     logs_dropped: int = 0
@@ -564,6 +611,8 @@ class Agent:
         self._devices_changed = asyncio.Event()
         self._journal_lock = asyncio.Lock()
         self._started = asyncio.Event()
+        #: Loop time of the first of the current run of authorization refusals.
+        self._refused_since: float | None = None
 
     # --- public -----------------------------------------------------------------------
     @property
@@ -596,7 +645,9 @@ class Agent:
 
     async def run(self) -> None:
         """Run until stopped. Raises ``RegistrationRefused`` if the control plane
-        refuses the credential (at start or at any later registration)."""
+        refuses the credential (at start or at any later registration), and
+        ``BrokerRefused`` if the NATS server keeps refusing the host's
+        authorization."""
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         cfg = self.config
@@ -613,7 +664,7 @@ class Agent:
         unsubscribe = self.devices.on_change(self._on_devices_changed_threadsafe)
         try:
             await self.devices_refresh()
-            if not await self._connect():
+            if not await self._until_stopped(self._connect()) or self.client is None:
                 return  # stopped before the first connection
             if not await self._until_stopped(self._resync("start", jitter=False)):
                 return  # stopped while the control plane was unreachable
@@ -640,14 +691,18 @@ class Agent:
         """Run ``coro`` unless a stop comes first (then cancel it, return False)."""
         work = asyncio.ensure_future(coro)
         stop_wait = asyncio.ensure_future(self._stopping.wait())
+        fatal_wait = asyncio.ensure_future(self._fatal_event.wait())
         try:
-            await asyncio.wait({work, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({work, stop_wait, fatal_wait}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop_wait.cancel()
+            fatal_wait.cancel()
             if not work.done():
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
         if work.cancelled():
+            if self._fatal is not None:
+                raise self._fatal
             return False
         work.result()  # raises what it raised
         return True
@@ -675,7 +730,7 @@ class Agent:
     def _set_fatal(self, exc: BaseException, *, where: str) -> None:
         if self._fatal is None:
             self._fatal = exc
-            if not isinstance(exc, RegistrationRefused):
+            if not isinstance(exc, RegistrationRefused | BrokerRefused):
                 log.error(
                     "agent_task_crashed",
                     task=where,
@@ -739,7 +794,7 @@ class Agent:
         return self.client
 
     # --- connection and session -------------------------------------------------------------
-    async def _connect(self) -> bool:
+    async def _connect(self) -> None:
         cfg = self.config
         backoff = Backoff(cfg.backoff_base_s, cfg.backoff_cap_s, rng=self._rng)
         while not self._stopping.is_set():
@@ -753,11 +808,17 @@ class Agent:
                 # Secured identity (issue 11); harmless on an open server.
                 connect_options={
                     **host_connect_options(cfg.host_id, cfg.credential),
+                    "error_cb": self._on_nats_error,
                     **cfg.connect_options,
                 },
             )
             try:
                 await client.connect()
+            except asyncio.CancelledError:
+                # A stop, or a refusal made fatal: nats-py retries a refused or
+                # unreachable server inside connect() and never returns.
+                await client.close()
+                raise
             except (OSError, TimeoutError, NatsError) as exc:
                 await client.close()
                 delay = backoff.next_delay()
@@ -770,11 +831,42 @@ class Agent:
                 await self._sleep(delay, self._stopping)
                 continue
             self.client = client
-            return True
-        return False
+            self._refused_since = None
+            return
 
     async def _on_nats_reconnect(self) -> None:
+        self._refused_since = None
         self._request_resync("nats_reconnected", self._epoch)
+
+    async def _on_nats_error(self, exc: Exception) -> None:
+        """nats-py's error callback of every connection (it replaces the
+        client's, which only logs): counts authorization refusals."""
+        text = str(exc) or type(exc).__name__
+        if not is_authorization_refusal(exc):
+            log.warning("nats_error", host_id=self.config.host_id, error=text)
+            return
+        loop = asyncio.get_running_loop()
+        if self._refused_since is None:
+            self._refused_since = loop.time()
+        refused_for = loop.time() - self._refused_since
+        limit = self.config.broker_refused_s
+        if refused_for < limit:
+            log.warning(
+                "nats_authorization_refused",
+                host_id=self.config.host_id,
+                error=text,
+                refused_for_s=round(refused_for, 1),
+                exit_after_s=limit,
+            )
+            return
+        if self._fatal is None:
+            log.error(
+                "broker_refused",
+                host_id=self.config.host_id,
+                error=text,
+                refused_for_s=round(refused_for, 1),
+            )
+        self._set_fatal(BrokerRefused(self.config.host_id, text, refused_for), where="nats")
 
     def _request_resync(self, reason: str, epoch: int) -> None:
         """Re-register (once, however many callers ask) unless the session of
@@ -930,13 +1022,13 @@ class Agent:
             self._request_cancel(att)
         att.task = asyncio.ensure_future(self._execute(att))
 
-    async def _wait_ready(self, abort: asyncio.Event | None = None) -> None:
+    async def _wait_ready(self, *aborts: asyncio.Event | None) -> None:
         if self._ready.is_set():
             return
-        events = [self._ready] + ([abort] if abort is not None else [])
+        stops = [a for a in aborts if a is not None]
         while not self._ready.is_set():
-            await self._sleep(3600.0, *events)
-            if abort is not None and abort.is_set():
+            await self._sleep(3600.0, self._ready, *stops)
+            if any(a.is_set() for a in stops):
                 raise _Aborted()
 
     async def _call(
@@ -945,14 +1037,17 @@ class Agent:
         *,
         abort: asyncio.Event | None = None,
         timeout_s: float | None = None,
+        give_up: asyncio.Event | None = None,
     ) -> T:
         """A signed request on the current session. On ``unauthorized`` the session
         is re-established (once for everyone) and the request repeated, at most
-        ``_MAX_SESSION_RETRIES`` times; a local timeout becomes ``unavailable``."""
+        ``_MAX_SESSION_RETRIES`` times; a local timeout becomes ``unavailable``.
+        ``abort`` and ``give_up`` end a wait for the session (``_Aborted``); a
+        request already sent runs to its reply or timeout."""
         client = self._client_or_fail()
         tries = 0
         while True:
-            await self._wait_ready(abort)
+            await self._wait_ready(abort, give_up)
             epoch = self._epoch
             try:
                 if timeout_s is None:
@@ -1199,40 +1294,94 @@ class Agent:
 
     async def _ack(self, att: _Attempt) -> bool:
         rec = att.record
+        # Set at the claim's ack deadline (wall clock, like the control plane's):
+        # past it the control plane refuses the ack anyway, so stop retrying.
+        overdue = asyncio.Event()
+        timer: asyncio.TimerHandle | None = None
+        if att.ack_deadline is not None:
+            timer = asyncio.get_running_loop().call_later(
+                max(att.ack_deadline - time.time(), 0.0), overdue.set
+            )
+        try:
+            reply = await self._ack_until_answered(att, overdue)
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if reply is None:
+            return False
+        log.info(
+            "attempt_acked",
+            task_id=rec.task_id,
+            attempt=rec.attempt,
+            state=str(reply.state),
+            cancel_requested=reply.cancel_requested,
+        )
+        self._failpoint(FAILPOINT_AFTER_ACK, task_id=rec.task_id, attempt=rec.attempt)
+        if reply.cancel_requested:
+            self._request_cancel(att)
+        return True
+
+    async def _ack_until_answered(
+        self, att: _Attempt, overdue: asyncio.Event
+    ) -> wire.LeaseReply | None:
+        """The ack's reply; None if the lease is lost or the ack is given up.
+        Once the session is up the first ack is always sent and waited for in
+        full (a clock running ahead of the control plane's must not lose every
+        ack); no retry, nor a wait for a session, goes on past ``overdue``."""
+        rec = att.record
         backoff = Backoff(self.config.backoff_base_s, self.config.backoff_cap_s, rng=self._rng)
+        sent = False
         while not att.lost.is_set():
+            if sent and overdue.is_set():
+                self._ack_given_up(att, "ack unanswered at the ack deadline")
+                return None
             try:
-                reply = await self._call(
+                return await self._call(
                     lambda c: c.ack(rec.task_id, rec.attempt, rec.lease_token),
                     abort=att.lost,
                     timeout_s=self.config.request_timeout_s,
+                    give_up=overdue,
                 )
+            except _Aborted:
+                if att.lost.is_set():
+                    raise
+                self._ack_given_up(att, "no session to ack on by the ack deadline")
+                return None
             except RemoteError as exc:
-                if exc.code in _TRANSIENT_CODES:
-                    delay = backoff.next_delay()
-                    log.warning(
-                        "ack_failed",
-                        task_id=rec.task_id,
-                        attempt=rec.attempt,
-                        code=exc.code,
-                        retry_in_s=round(delay, 3),
-                    )
-                    await self._sleep(delay, att.lost)
-                    continue
-                self._lease_lost(att, f"ack refused: {exc.code}")
-                return False
-            log.info(
-                "attempt_acked",
-                task_id=rec.task_id,
-                attempt=rec.attempt,
-                state=str(reply.state),
-                cancel_requested=reply.cancel_requested,
-            )
-            self._failpoint(FAILPOINT_AFTER_ACK, task_id=rec.task_id, attempt=rec.attempt)
-            if reply.cancel_requested:
-                self._request_cancel(att)
-            return True
-        return False
+                sent = True
+                if exc.code not in _TRANSIENT_CODES:
+                    self._lease_lost(att, f"ack refused: {exc.code}")
+                    return None
+                if overdue.is_set():
+                    continue  # given up at the top of the loop
+                delay = backoff.next_delay()
+                log.warning(
+                    "ack_failed",
+                    task_id=rec.task_id,
+                    attempt=rec.attempt,
+                    code=exc.code,
+                    retry_in_s=round(delay, 3),
+                )
+                await self._sleep(delay, att.lost, overdue)
+        return None
+
+    def _ack_given_up(self, att: _Attempt, reason: str) -> None:
+        """Stop trying to ack: the runner never starts. Unlike a lost lease the
+        journal entry stays, for the next reconciliation to settle (discarded
+        if the control plane expired the attempt, resumed if an ack got through
+        just in time)."""
+        if att.lost.is_set():
+            return
+        att.lose(reason)
+        self.stats.acks_given_up += 1
+        log.warning(
+            "ack_given_up",
+            task_id=att.record.task_id,
+            attempt=att.record.attempt,
+            device_id=att.record.device_id,
+            reason=reason,
+        )
+        att.cancel_event.set()
 
     def _context(self, att: _Attempt) -> RunContext:
         rec = att.record

@@ -5,6 +5,11 @@ state dir (written by ``fleetlease up``). The agent keeps its journal in
 ``<state dir>/agents/<host id>/`` and holds a lock there, so two agents for one
 host never share a journal. SIGTERM or SIGINT: stop claiming, let running
 attempts finish within ``--grace-s``, hand back the rest, exit 0.
+
+Exit codes besides the common ones: 3 when the control plane refuses the host's
+credential at registration, 7 when the NATS server keeps refusing the host's
+authorization for ``--broker-refused-s`` (a revoked host on a secured broker).
+Unreachable servers are retried forever.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from ops.logging import configure_logging
 from ops.system import AlreadyRunning, single_instance
 
 MAX_RESUMES_ENV = "FLEETLEASE_AGENT_MAX_RESUMES"
+#: The NATS server refuses the host's authorization (revoked on a secured broker).
+EXIT_BROKER_REFUSED = 7
 
 
 def register(sub: Any) -> None:
@@ -74,6 +81,14 @@ def register(sub: Any) -> None:
         f"the agent) is reported as a retryable failure instead of run again "
         f"(env {MAX_RESUMES_ENV}, default 2)",
     )
+    p.add_argument(
+        "--broker-refused-s",
+        type=float,
+        default=15.0,
+        help="exit (code 7) once the NATS server has refused this host's authorization "
+        "for this long with no successful connect in between (default 15; a control "
+        "plane restarting on a secured broker is refused the same way for a moment)",
+    )
     p.add_argument("--debug", action="store_true", help="debug logs and tracebacks")
     p.set_defaults(func=cmd_agent)
 
@@ -104,6 +119,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         FAILPOINTS_ENV,
         Agent,
         AgentConfig,
+        BrokerRefused,
         RegistrationRefused,
         load_credential,
         parse_failpoints,
@@ -153,6 +169,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             resync_jitter_s=args.resync_jitter_s,
             failpoints=failpoints,
             max_resumes=max_resumes,
+            broker_refused_s=args.broker_refused_s,
         )
         agent = Agent(config, devices)
     except ConfigError as exc:
@@ -166,6 +183,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise CliError(exc.message, EXIT_UNAVAILABLE) from None
     except RegistrationRefused as exc:
         raise CliError(exc.message, EXIT_DENIED) from None
+    except BrokerRefused as exc:
+        raise CliError(exc.message, EXIT_BROKER_REFUSED) from None
     return EXIT_OK
 
 

@@ -1,11 +1,15 @@
 """Faults of the message broker and the network to it: nats-server SIGKILLed and
 restarted (same port, same JetStream dir) mid-run, and one agent cut off from
-NATS (fault proxy blackhole) for longer than its lease.
+NATS (fault proxy blackhole) for longer than its lease, or before its ack is
+answered.
 
 Invariants: the control plane and every agent reconnect by themselves (agents
 re-register after a jittered delay) and nothing is lost or reported twice; a
 partitioned agent stops its runner once its lease is over and the task is
-retried on another host; plus the shared database invariants."""
+retried on another host; an agent cut off before its ack is answered gives the
+ack up at the ack deadline (never starts the runner) and leaves its journal
+entry for the next reconciliation, which discards it; plus the shared database
+invariants."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import asyncio
 
 import pytest
 
-from ops.cluster import wait_for
+from ops.cluster import Timings, wait_for
 from tests.faults.conftest import MakeCluster
 
 pytestmark = pytest.mark.chaos
@@ -107,3 +111,55 @@ async def test_agent_partitioned_from_nats_past_its_lease_stops_and_task_runs_el
     assert cut.proc.alive, cut.proc.tail()
     await cluster.assert_invariants()
     print(f"partition: h-cut gave its lease up ({lost['reason']}) while cut off")
+
+
+@pytest.mark.timeout(180)
+async def test_agent_cut_off_before_its_ack_is_answered_gives_the_ack_up_at_the_deadline(
+    make_cluster: MakeCluster,
+) -> None:
+    cluster = await make_cluster(timings=Timings(claim_s=30, ack_s=3, lease_s=5))
+    await cluster.start_serve()
+    cut = await cluster.start_agent("h-cut", devices=1, via_proxy=True)
+    assert cut.proxy is not None
+    # Every byte between h-cut and NATS arrives 4 s late (more than the ack
+    # deadline): the ack h-cut sends for its assignment is still inside the
+    # proxy when the link is cut below, so no answer to it ever comes.
+    cut.proxy.latency(4.0)
+    [task_id] = await cluster.submit(1, sim={"duration_s": 0.5}, max_attempts=3)
+    await cut.proc.wait_event("assignment_received", task_id=task_id, attempt=1, timeout=60)
+    mark = cut.proc.mark()
+    cut.proxy.blackhole()
+    try:
+        given_up = await cut.proc.wait_event(
+            "ack_given_up", task_id=task_id, attempt=1, since=mark, timeout=60
+        )
+        await cluster.start_agent("h-other", devices=1)
+        await cluster.wait_view(
+            task_id,
+            lambda v: v["attempt"] >= 2 and v["attempts"][0]["end_reason"] == "ack_expired",
+            timeout=30,
+            what="attempt 1 ack-expired, attempt 2 assigned",
+        )
+    finally:
+        cut.proxy.heal()
+    view = await cluster.wait_view(
+        task_id, lambda v: v["state"] == "done", timeout=60, what="task done"
+    )
+    assert not cut.proc.named("attempt_started", task_id=task_id, attempt=1)
+    assert not cut.proc.named("attempt_acked", task_id=task_id, attempt=1)
+    # The journal entry was left for reconciliation: the next session discards it.
+    await cut.proc.terminate()
+    restarted = (await cluster.start_agent("h-cut", devices=1)).proc
+    discarded = [
+        e
+        for run in cluster.agents["h-cut"].runs
+        for e in run.named("journal_entry_discarded", task_id=task_id, attempt=1)
+    ]
+    assert discarded, restarted.tail()
+    assert view["attempts"][0]["host_id"] == "h-cut"
+    assert all(n == 1 for n in cluster.first_reports().values())
+    await cluster.assert_invariants()
+    print(
+        f"ack cut off: h-cut gave the ack up ({given_up['reason']}); "
+        f"reconciliation discarded the entry ({discarded[0]['reason']})"
+    )
