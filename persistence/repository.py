@@ -153,9 +153,26 @@ class Transition:
     task_id: str
     attempt: int
     host_id: str
-    #: ``run(conn, now, row)``: ``row`` is the fenced row (task, attempt and the
-    #: caller's host) when ``run_many`` already loaded and locked it, else None.
-    run: Callable[[AsyncConnection, datetime, RowMapping | None], Awaitable[Any]]
+    #: ``run(conn, now, batch)``: ``batch`` is the shared state of ``run_many``
+    #: (rows it already loaded and locked, device releases it does at the end),
+    #: None in a transaction of its own.
+    run: Callable[[AsyncConnection, datetime, _Batch | None], Awaitable[Any]]
+
+
+class _Batch:
+    """What the transitions of one ``run_many`` transaction share."""
+
+    __slots__ = ("free", "rows")
+
+    def __init__(self, rows: dict[tuple[str, int, str], RowMapping]) -> None:
+        self.rows = rows
+        #: Tasks whose device reservation is released at the end of the batch, in
+        #: one statement locking devices in (host, device) order, as heartbeats do:
+        #: released one by one in task order they deadlocked with heartbeats.
+        self.free: list[str] = []
+
+    def row(self, task_id: str, attempt: int, host_id: str) -> RowMapping | None:
+        return self.rows.get((task_id, attempt, host_id))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -978,16 +995,18 @@ class Repository:
         keys = [(t.task_id, t.attempt, t.host_id) for t in ts if seen[t.task_id] == 1]
 
         async def run(conn: AsyncConnection, now: datetime) -> list[Any]:
-            rows = await self._load_fenced_many(conn, keys)
+            batch = _Batch(await self._load_fenced_many(conn, keys))
             out: list[Any] = [None] * len(ts)
             for i in order:
                 t = ts[i]
                 try:
-                    out[i] = await t.run(conn, now, rows.get((t.task_id, t.attempt, t.host_id)))
+                    out[i] = await t.run(conn, now, batch)
                 except RepositoryError as exc:
                     if exc.fields.get("reason") == "cas_failed":
                         raise _BatchAborted from exc  # it may have written: undo all
                     out[i] = exc
+            if batch.free:
+                await self._release_devices(conn, now, batch.free)
             return out
 
         try:
@@ -1042,6 +1061,41 @@ class Repository:
         )
         return {(r["task_id"], r["a_number"], r["k_host_id"]): r for r in rows}
 
+    async def _release_devices(
+        self, conn: AsyncConnection, now: datetime, task_ids: Sequence[str]
+    ) -> None:
+        """Delete the reservations of ``task_ids`` and turn their devices idle if
+        they were reported busy, in one statement that locks the device rows in
+        (host, device) order."""
+        freed = (
+            device_reservations.delete()
+            .where(device_reservations.c.task_id == sa.any_(_arr(task_ids, UUIDT)))
+            .returning(device_reservations.c.host_id, device_reservations.c.device_id)
+            .cte("freed")
+        )
+        locked = (
+            sa.select(devices.c.host_id, devices.c.device_id)
+            .join(
+                freed,
+                sa.and_(
+                    devices.c.host_id == freed.c.host_id, devices.c.device_id == freed.c.device_id
+                ),
+            )
+            .where(devices.c.state == "busy")
+            .order_by(devices.c.host_id, devices.c.device_id)
+            .with_for_update(of=devices)
+            .cte("locked")
+        )
+        await conn.execute(
+            devices.update()
+            .where(
+                devices.c.host_id == locked.c.host_id,
+                devices.c.device_id == locked.c.device_id,
+                devices.c.state == "busy",
+            )
+            .values(state="idle", updated_at=now)
+        )
+
     async def _outcome(self, t: Transition) -> Any:
         try:
             return await self.run_one(t)
@@ -1062,7 +1116,8 @@ class Repository:
         tid = _check_task_id(task_id)
         _check_int(attempt, "attempt", 1, MAX_INT32)
 
-        async def run(conn: AsyncConnection, now: datetime, pre: RowMapping | None) -> Claimed:
+        async def run(conn: AsyncConnection, now: datetime, batch: _Batch | None) -> Claimed:
+            pre = batch.row(tid, attempt, session.host_id) if batch is not None else None
             row = await self._load(conn, session, tid, attempt, pre)
             self._fence_owner(row, session, attempt)
             return await self._claim_row(conn, row, session, now)
@@ -1236,7 +1291,8 @@ class Repository:
         """``ack`` as a :class:`Transition`."""
         tid = self._check_lease_args(session, task_id, attempt, lease_token)
 
-        async def run(conn: AsyncConnection, now: datetime, pre: RowMapping | None) -> LeaseStatus:
+        async def run(conn: AsyncConnection, now: datetime, batch: _Batch | None) -> LeaseStatus:
+            pre = batch.row(tid, attempt, session.host_id) if batch is not None else None
             row = await self._load(conn, session, tid, attempt, pre)
             self._fence_lease(row, session, attempt, lease_token)
             if row["status"] == TaskState.RUNNING.value:
@@ -1425,7 +1481,8 @@ class Repository:
         tid = self._check_lease_args(session, task_id, attempt, lease_token)
         _check_int(seq, "seq", 0, 2**63 - 1)
 
-        async def run(conn: AsyncConnection, now: datetime, pre: RowMapping | None) -> LeaseStatus:
+        async def run(conn: AsyncConnection, now: datetime, batch: _Batch | None) -> LeaseStatus:
+            pre = batch.row(tid, attempt, session.host_id) if batch is not None else None
             row = await self._load(conn, session, tid, attempt, pre)
             self._fence_lease(row, session, attempt, lease_token)
             deadline = self._deadline(row)
@@ -1503,7 +1560,8 @@ class Repository:
         res = None if result is None else _check_json_dict(result, "result")
         _check_str(fingerprint, "fingerprint", max_len=256)
 
-        async def run(conn: AsyncConnection, now: datetime, pre: RowMapping | None) -> ResultRecord:
+        async def run(conn: AsyncConnection, now: datetime, batch: _Batch | None) -> ResultRecord:
+            pre = batch.row(tid, attempt, session.host_id) if batch is not None else None
             row = await self._load(conn, session, tid, attempt, pre)
             if not matches(lease_token, row["a_token_hash"]):
                 raise Conflict("lease token does not match", reason="wrong_lease", task_id=tid)
@@ -1515,7 +1573,7 @@ class Repository:
             if not self._deadline(row) > now:
                 raise Conflict("the lease has expired", reason="lease_expired", task_id=tid)
             return await self._record_result(
-                conn, row, now, out, retryable, reason, res, fingerprint
+                conn, row, now, out, retryable, reason, res, fingerprint, batch
             )
 
         return Transition("report_result", tid, attempt, session.host_id, run)
@@ -1556,6 +1614,7 @@ class Repository:
         reason: str,
         result: dict[str, Any] | None,
         fingerprint: str,
+        batch: _Batch | None = None,
     ) -> ResultRecord:
         tid = row["task_id"]
         eligible_at: datetime | None = None
@@ -1594,21 +1653,10 @@ class Repository:
         # next assignment need not wait for the host's next heartbeat. (An expiry
         # leaves it busy: a host that went silent keeps its devices out of use
         # until it reports again or is no longer live.)
-        freed = (
-            device_reservations.delete()
-            .where(device_reservations.c.task_id == tid)
-            .returning(device_reservations.c.host_id, device_reservations.c.device_id)
-            .cte("freed")
-        )
-        await conn.execute(
-            devices.update()
-            .where(
-                devices.c.host_id == freed.c.host_id,
-                devices.c.device_id == freed.c.device_id,
-                devices.c.state == "busy",
-            )
-            .values(state="idle", updated_at=now)
-        )
+        if batch is not None:
+            batch.free.append(tid)
+        else:
+            await self._release_devices(conn, now, [tid])
         return ResultRecord(
             task_id=tid,
             attempt=row["attempt"],
@@ -2046,6 +2094,8 @@ class Repository:
         self, conn: AsyncConnection, now: datetime, host_id: str, snapshot: list[DeviceSnapshot]
     ) -> None:
         dev_table = devices
+        # Device order, as every statement that locks several device rows uses.
+        snapshot = sorted(snapshot, key=lambda d: d.device_id)
         ids = [d.device_id for d in snapshot]
         await conn.execute(
             dev_table.delete().where(
