@@ -131,6 +131,40 @@ def arm(
         )
 
 
+_SPEC_KEYS = {"count": int, "skip": int, "seed": int, "probability": float}
+
+
+def arm_from_spec(spec: str) -> str:
+    """Arm a point from one line of text, as a chaos hook outside the process
+    hands it over: ``NAME [count=N] [skip=N] [seed=N] [probability=P]``
+    (e.g. ``lease.after_commit_before_reply count=1 seed=5``), or ``off`` to
+    disarm every point. Blank lines and ``#`` comments are ignored; the first
+    other line is the spec. Returns the point's name (or ``"off"``).
+    ``ValueError`` naming the problem for anything else."""
+    lines = [ln.strip() for ln in spec.splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("#")]
+    if not lines:
+        raise ValueError("empty fail point spec")
+    name, *options = lines[0].split()
+    if name == "off" and not options:
+        disarm()
+        return "off"
+    kwargs: dict[str, int | float] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or key not in _SPEC_KEYS:
+            raise ValueError(
+                f"bad fail point option {option!r}: expected one of "
+                + ", ".join(f"{k}=..." for k in sorted(_SPEC_KEYS))
+            )
+        try:
+            kwargs[key] = _SPEC_KEYS[key](value)
+        except ValueError:
+            raise ValueError(f"bad fail point option {option!r}: not a number") from None
+    arm(name, **kwargs)  # type: ignore[arg-type]
+    return name
+
+
 def disarm(name: str | None = None) -> None:
     """Disarm one point, or all of them (and forget their counters). Threads
     parked on a disarmed point's pause are released: a test that fails before

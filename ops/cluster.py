@@ -243,6 +243,7 @@ class Cluster:
         prefix: str = "faults",
         pg_proxy: bool = False,
         seed: int = 0,
+        chaos: bool = False,
     ) -> None:
         self.directory = Path(directory)
         self.timings = timings or Timings()
@@ -251,6 +252,8 @@ class Cluster:
         self.pg = EmbeddedPostgres(self.directory / "pg")
         self.nats = EmbeddedNats(self.directory / "nats")
         self.want_pg_proxy = pg_proxy
+        #: Serves get the chaos hook (FLEETLEASE_CHAOS_DIR): see ``crash_actor``.
+        self.chaos = chaos
         self.pg_proxy: FaultProxy | None = None
         self.engine: AsyncEngine | None = None
         self.repo: Any = None
@@ -337,7 +340,55 @@ class Cluster:
             "--prefix", self.prefix, "--state-dir", str(self.state_dir / "server"),
             *self.timings.args(),
         ]  # fmt: skip
-        return Proc(f"serve-{index}", argv, self.log_dir / f"serve-{index}.log", child_env())
+        env = child_env()
+        if self.chaos:
+            chaos_dir = self.chaos_dir(index)
+            chaos_dir.mkdir(parents=True, exist_ok=True)
+            env["FLEETLEASE_CHAOS_DIR"] = str(chaos_dir)
+        return Proc(f"serve-{index}", argv, self.log_dir / f"serve-{index}.log", env)
+
+    def chaos_dir(self, index: int) -> Path:
+        return self.directory / "chaos" / f"serve-{index}"
+
+    async def crash_actor(
+        self, index: int, point: str, *, seed: int = 0, timeout: float = 60.0
+    ) -> dict[str, Any]:
+        """Crash one actor inside the running serve ``index`` (a cluster made
+        with ``chaos=True``): arm fail point ``point`` once through its chaos
+        hook (the arm file, then SIGUSR1) and wait until an actor crashed on it
+        and the supervisor restarted it. Returns the ``supervisor.restarted``
+        event. ClusterError if that does not happen within ``timeout`` (the
+        point is disarmed again then)."""
+        if not self.chaos:
+            raise ClusterError("crash_actor needs a cluster made with chaos=True")
+        proc = self.serves[index]
+        if not proc.alive:
+            raise ClusterError(f"{proc.name} is not running")
+        arm_file = self.chaos_dir(index) / "arm"
+        since = proc.mark()
+        arm_file.write_text(f"{point} count=1 seed={seed}\n")
+        proc.signal(signal.SIGUSR1)
+        try:
+            await proc.wait_event("chaos_armed", since=since, point=point, timeout=timeout)
+            crash = await proc.wait_event(
+                "actor.crash", since=since, reason=f"fail point {point} fired", timeout=timeout
+            )
+            restarted = [
+                e
+                for e in proc.named("supervisor.restarted", since=since)
+                if e.get("actor") == crash.get("actor")
+            ]
+            if not restarted:
+                await proc.wait_event(
+                    "supervisor.restarted", since=since, actor=crash.get("actor"), timeout=timeout
+                )
+                restarted = proc.named("supervisor.restarted", since=since)
+        except ClusterError:
+            if proc.alive:
+                arm_file.write_text("off\n")
+                proc.signal(signal.SIGUSR1)
+            raise
+        return restarted[0]
 
     async def start_serve(self, index: int = 0, *, wait: bool = True) -> Proc:
         while len(self.serves) <= index:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,42 @@ from transport.auth import ServerSecret
 from transport.subjects import Subjects
 
 log = structlog.get_logger("fleetlease.service")
+
+#: Chaos hook (``fleetlease soak``, fault tests): set, ``serve`` arms fail points
+#: on SIGUSR1. Never set in production; unset, nothing is installed.
+CHAOS_DIR_ENV = "FLEETLEASE_CHAOS_DIR"
+
+
+def install_chaos_hook(
+    loop: asyncio.AbstractEventLoop, env: Mapping[str, str] | None = None
+) -> Callable[[], None] | None:
+    """When ``FLEETLEASE_CHAOS_DIR`` is set: on SIGUSR1, read ``<dir>/arm`` (one
+    line, ``actors.failpoints.arm_from_spec``: e.g. ``lease.after_commit_before_reply
+    count=1 seed=5``) and arm that fail point, so that the next actor to pass it
+    crashes (``actor.crash``, then ``supervisor.restarted``). The handler runs
+    on the event loop (``loop.add_signal_handler``), not in signal context.
+    Returns the uninstaller, or None when the variable is not set. Call it on
+    the main thread before anyone may send the signal (SIGUSR1 kills a process
+    without a handler)."""
+    directory = (os.environ if env is None else env).get(CHAOS_DIR_ENV)
+    if not directory:
+        return None
+    from actors import failpoints
+
+    arm_file = Path(directory) / "arm"
+
+    def on_sigusr1() -> None:
+        try:
+            text = arm_file.read_text(encoding="utf-8")
+            point = failpoints.arm_from_spec(text)
+        except (OSError, ValueError) as exc:
+            log.warning("chaos_arm_failed", path=str(arm_file), error=str(exc))
+            return
+        log.warning("chaos_armed", point=point, spec=text.strip()[:200])
+
+    loop.add_signal_handler(signal.SIGUSR1, on_sigusr1)
+    log.warning("chaos_hook_installed", directory=directory)
+    return lambda: loop.remove_signal_handler(signal.SIGUSR1)
 
 
 @dataclass(kw_only=True)

@@ -21,6 +21,10 @@ faults:
 ``agent_half_open`` one agent's NATS connections half-open (server side gone, the
                     agent not told) for longer than a lease, then reset
 ``agent_kill``      one agent SIGKILLed (its supervisor restarts it)
+``actor_kill``      one actor crashed inside a running serve: a seeded fail point
+                    of ``actors.failpoints`` armed once through the serve's chaos
+                    hook (``FLEETLEASE_CHAOS_DIR``, SIGUSR1); the fault lasts until
+                    the serve logged the crash and the supervisor's restart
 
 Recovery time of a fault: from its end (restart, heal) until the next task
 reaches a terminal state. At the end every fault is healed, submitting stops,
@@ -47,6 +51,7 @@ from typing import Any
 import sqlalchemy as sa
 import structlog
 
+from actors import failpoints
 from ops.cluster import Cluster, ClusterError, Timings, wait_for
 from persistence import tables
 
@@ -63,6 +68,7 @@ FAULT_WEIGHTS: dict[str, int] = {
     "agent_stop": 1,
     "agent_half_open": 1,
     "agent_kill": 2,
+    "actor_kill": 2,
 }
 RECOVERY_TIMEOUT_S = 60.0
 
@@ -157,7 +163,12 @@ class Soak:
         self.rng = random.Random(config.seed)
         self.task_rng = random.Random(config.seed + 1)
         self.cluster = Cluster(
-            work_dir, timings=config.timings, prefix="soak", pg_proxy=True, seed=config.seed
+            work_dir,
+            timings=config.timings,
+            prefix="soak",
+            pg_proxy=True,
+            seed=config.seed,
+            chaos=True,
         )
         self.report = SoakReport(seed=config.seed, minutes=config.minutes, work_dir=str(work_dir))
         self.ids: list[str] = []
@@ -412,6 +423,20 @@ class Soak:
         host = self.rng.choice(self.host_ids)
         await self.cluster.agents[host].proc.kill()
         return host
+
+    async def fault_actor_kill(self) -> str:
+        c = self.cluster
+        index = self.rng.randrange(len(c.serves))
+        point = self.rng.choice(sorted(failpoints.POINTS))
+        seed = self.rng.randrange(1_000_000)
+        if not c.serves[index].alive:
+            return f"serve-{index} {point}: serve not running"
+        try:
+            restarted = await c.crash_actor(index, point, seed=seed, timeout=RECOVERY_TIMEOUT_S)
+        except ClusterError as exc:
+            log.warning("soak_actor_kill_not_fired", serve=index, point=point, error=str(exc))
+            return f"serve-{index} {point}: did not fire ({exc})"
+        return f"serve-{index} {point} -> {restarted.get('actor')} restarted"
 
     async def heal_everything(self) -> None:
         c = self.cluster

@@ -579,8 +579,10 @@ async def run_control_plane(
     on_ready: Any = None,
     heartbeat_s: float = 5.0,
 ) -> None:
-    from ops.service import ControlPlaneService
+    from ops.service import ControlPlaneService, install_chaos_hook
 
+    # Off unless FLEETLEASE_CHAOS_DIR is set (soak and fault tests only).
+    uninstall_chaos = install_chaos_hook(asyncio.get_running_loop())
     service = ControlPlaneService(
         database_url=services.database_url,
         nats_url=services.nats_url,
@@ -598,6 +600,8 @@ async def run_control_plane(
         await asyncio.to_thread(stop.wait)
     finally:
         await service.stop()
+        if uninstall_chaos is not None:
+            uninstall_chaos()
 
 
 async def _serve_precheck(settings: Any, timeout: float = 10.0) -> None:

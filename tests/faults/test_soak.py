@@ -1,6 +1,8 @@
 """``fleetlease soak`` as CI runs it: about a minute of seeded faults (serve
 SIGKILL, PostgreSQL and NATS restarts, proxy faults, agent partitions, pauses
-and kills) against the whole system of real processes.
+and kills, actor kills inside a serve) against the whole system of real
+processes. The deck deals every fault kind once (shuffled) before any repeats;
+with seed 7 ``actor_kill`` is the fourth fault, well inside the minute.
 
 Invariant: zero violations of ``ops.invariants`` and every task finished; the
 recovery times are printed figures, not asserted. The 15-minute, 5,000-task
@@ -46,6 +48,9 @@ async def test_a_one_minute_soak_has_zero_invariant_violations(tmp_path: Path) -
     assert report["unfinished"] == 0
     assert report["ok"] is True
     assert report["submitted"] > 0 and report["faults"], "the soak injected nothing"
+    kills = [f for f in report["faults"] if f["kind"] == "actor_kill"]  # type: ignore[attr-defined]
+    assert kills, report["faults_by_kind"]
+    assert all("restarted" in f["detail"] for f in kills), kills
 
 
 @pytest.mark.soak
