@@ -1277,7 +1277,8 @@ class Agent:
         ``max_resumes`` times already, each time dying with the agent."""
         rec = att.record
         if rec.resumes >= self.config.max_resumes:
-            reason = f"agent died {rec.resumes + 1} times running this attempt"
+            deaths = rec.resumes + 1
+            reason = f"agent died {deaths} time{'s' if deaths != 1 else ''} running this attempt"
             log.warning(
                 "attempt_given_up",
                 task_id=rec.task_id,

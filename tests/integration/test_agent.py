@@ -476,6 +476,41 @@ async def test_superseded_session_reregisters_reconciles_and_finishes_the_attemp
     assert running.agent.stats.leases_lost == 0
 
 
+async def test_an_attempt_resumed_max_resumes_times_is_reported_as_a_retryable_failure(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    """The agent dies while running an attempt (here: its task is cancelled, so
+    nothing is handed back and the journal entry stays); the next agent of the
+    host, with ``max_resumes=0``, does not run it again but reports it failed
+    and retryable, and the retry runs to done."""
+    system = await make_system(lease_s=6.0)
+    first = await system.start_agent("h1", devices=1)
+    task_id = await system.submit({"duration_s": 1.5})
+    await system.wait_state(task_id, "running")
+    first.task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await first.task
+    [entry] = await asyncio.to_thread(_journal_entries, system.agent_dir("h1"))
+    assert entry.resumes == 0
+
+    with capture_logs() as logs:
+        await system.start_agent("h1", devices=1, max_resumes=0)
+        view = await system.wait_state(task_id, "done", timeout=60)
+
+    assert [(a["number"], a["end_reason"]) for a in view["attempts"]] == [
+        (1, "retryable_failure"),
+        (2, "done"),
+    ]
+    [given_up] = [e for e in logs if e["event"] == "attempt_given_up"]
+    assert (given_up["task_id"], given_up["attempt"]) == (task_id, 1)
+    assert given_up["reason"] == "agent died 1 time running this attempt"
+
+
+def _journal_entries(directory: Path) -> list[Any]:
+    with Journal.in_state_dir(directory) as journal:
+        return journal.entries()
+
+
 async def test_attempt_survives_a_control_plane_restart(
     make_system: Callable[..., Awaitable[System]],
 ) -> None:
