@@ -645,8 +645,15 @@ class Repository:
         """Lock the next ``n`` waiting tasks, fair across projects (round-robin by
         project, priority then FIFO within one), that match some free device."""
         free_sub = self._free_devices(now).subquery("free")
-        matchable = sa.exists().where(free_sub.c.capabilities.contains(tasks.c.selector))
         waiting = sa.and_(tasks.c.status.in_(_WAITING), tasks.c.eligible_at <= now)
+        # Whether some free device matches is asked once per distinct selector,
+        # not once per waiting task (a deep queue has few distinct selectors).
+        selectors = sa.select(tasks.c.selector).where(waiting).distinct().cte("selectors")
+        matchable = (
+            sa.select(selectors.c.selector)
+            .where(sa.exists().where(free_sub.c.capabilities.contains(selectors.c.selector)))
+            .cte("matchable")
+        )
         ranked = (
             sa.select(
                 tasks.c.id,
@@ -657,7 +664,8 @@ class Repository:
                 )
                 .label("rn"),
             )
-            .where(waiting, matchable)
+            .join(matchable, matchable.c.selector == tasks.c.selector)
+            .where(waiting)
             .cte("ranked")
         )
         stmt = (
