@@ -1,0 +1,153 @@
+"""Group commit of host transitions (``Repository.run_many``): many claims, acks,
+progress reports and results share one transaction, each keeps its own outcome,
+and a refused one changes nothing, on a real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+
+from actors.groupcommit import TransitionBatcher
+from persistence.errors import Conflict, Gone, NotFound, Unauthorized
+from persistence.model import Outcome, Session, TaskState
+from tests.integration.test_repository_support import World, world
+
+__all__ = ["world"]
+
+
+async def test_a_mixed_batch_commits_each_transition_with_its_own_outcome(world: World) -> None:
+    h1 = await world.host("h1", ["d1", "d2", "d3", "d4"])
+    to_claim = await world.assigned(h1)
+    to_ack = await world.dispatched(h1)
+    to_finish = await world.running(h1)
+    to_fail = await world.running(h1)
+    repo = world.repo
+
+    out = await repo.run_many(
+        [
+            repo.claim_op(h1, to_claim.task_id, to_claim.attempt),
+            repo.ack_op(h1, to_ack.task_id, to_ack.attempt, to_ack.lease_token),
+            repo.report_result_op(
+                h1,
+                to_finish.task_id,
+                to_finish.attempt,
+                to_finish.lease_token,
+                outcome=Outcome.DONE,
+                fingerprint="f1",
+            ),
+            repo.report_result_op(
+                h1,
+                to_fail.task_id,
+                to_fail.attempt,
+                to_fail.lease_token,
+                outcome=Outcome.FAILED,
+                retryable=True,
+                fingerprint="f2",
+            ),
+        ]
+    )
+
+    claimed, acked, done, failed = out
+    assert claimed.task_id == to_claim.task_id and claimed.lease_token
+    assert acked.state is TaskState.RUNNING
+    assert (done.state, done.replayed) == (TaskState.DONE, False)
+    assert failed.state is TaskState.RETRYING
+    states = {t: (await world.task_row(t))["status"] for t in (to_claim.task_id, to_ack.task_id)}
+    assert states == {to_claim.task_id: "dispatched", to_ack.task_id: "running"}
+    assert (await world.task_row(to_finish.task_id))["status"] == "done"
+    # Both results released their devices; the other two still hold theirs.
+    held = {r["task_id"] for r in await world.reservations()}
+    assert {str(t) for t in held} == {to_claim.task_id, to_ack.task_id}
+
+
+async def test_refused_transitions_in_a_batch_change_nothing_and_do_not_undo_the_others(
+    world: World,
+) -> None:
+    h1 = await world.host("h1", ["d1", "d2", "d3"])
+    good = await world.running(h1)
+    stale = await world.running(h1)
+    foreign_session = Session(host_id="h1", generation=h1.generation + 7)
+    other = await world.dispatched(h1)
+    untouched = (stale.task_id, other.task_id)
+    before = [await world.task_row(t) for t in untouched]
+    before_attempts = [await world.attempt_rows(t) for t in untouched]
+    before_reservations = await world.reservations()
+    repo = world.repo
+
+    out = await repo.run_many(
+        [
+            repo.ack_op(h1, stale.task_id, stale.attempt, "not-the-token"),
+            repo.report_result_op(
+                foreign_session,
+                other.task_id,
+                other.attempt,
+                other.lease_token,
+                outcome=Outcome.DONE,
+                fingerprint="x",
+            ),
+            repo.claim_op(h1, "00000000-0000-0000-0000-000000000000", 1),
+            repo.progress_op(h1, good.task_id, good.attempt, good.lease_token, 5),
+        ]
+    )
+
+    wrong_lease, unauthorized, missing, progressed = out
+    assert isinstance(wrong_lease, Conflict) and wrong_lease.fields["reason"] == "wrong_lease"
+    assert isinstance(unauthorized, Unauthorized)
+    assert isinstance(missing, NotFound)
+    assert progressed.state is TaskState.RUNNING
+    assert [await world.task_row(t) for t in untouched] == before
+    assert [await world.attempt_rows(t) for t in untouched] == before_attempts
+    assert await world.reservations() == before_reservations
+    assert (await world.task_row(good.task_id))["progress_seq"] == 5
+
+
+async def test_the_same_task_twice_in_a_batch_runs_in_order(world: World) -> None:
+    h1 = await world.host("h1", ["d1"])
+    c = await world.dispatched(h1)
+    repo = world.repo
+    ack, result, late_ack = await repo.run_many(
+        [
+            repo.ack_op(h1, c.task_id, c.attempt, c.lease_token),
+            repo.report_result_op(
+                h1, c.task_id, c.attempt, c.lease_token, outcome=Outcome.DONE, fingerprint="f"
+            ),
+            repo.ack_op(h1, c.task_id, c.attempt, c.lease_token),
+        ]
+    )
+    # Task id order is stable, so the three run as listed: ack, result, then an
+    # ack of a terminal task.
+    assert ack.state is TaskState.RUNNING
+    assert result.state is TaskState.DONE
+    assert isinstance(late_ack, Gone)
+    assert (await world.task_row(c.task_id))["status"] == "done"
+
+
+async def test_concurrent_transitions_through_the_batcher_share_commits(world: World) -> None:
+    devices = [f"d{i}" for i in range(24)]
+    h1 = await world.host("h1", devices)
+    running = [await world.running(h1) for _ in range(24)]
+    batcher = TransitionBatcher(world.repo, max_inflight=1)
+    repo = world.repo
+
+    results = await asyncio.gather(
+        *(
+            batcher.run(
+                repo.report_result_op(
+                    h1,
+                    c.task_id,
+                    c.attempt,
+                    c.lease_token,
+                    outcome=Outcome.DONE,
+                    fingerprint=f"f{i}",
+                )
+            )
+            for i, c in enumerate(running)
+        )
+    )
+    await batcher.close()
+
+    assert [r.state for r in results] == [TaskState.DONE] * 24
+    assert batcher.items == 24
+    assert batcher.batches < 24  # one flusher: everything queued behind the first batch
+    assert await world.reservations() == []
+    rows = await world.rows("SELECT state FROM devices WHERE host_id = 'h1'")
+    assert {r["state"] for r in rows} == {"idle"}
