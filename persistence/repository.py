@@ -219,6 +219,35 @@ def _unnest(name: str, **cols: tuple[Any, Sequence[Any]]) -> Any:
     )
 
 
+def _arr_param(name: str, typ: Any) -> sa.ColumnElement[Any]:
+    """A typed array bind parameter, for statements built once."""
+    return sa.cast(sa.bindparam(name, type_=ARRAY(typ)), ARRAY(typ))
+
+
+def _unnest_params(name: str, **cols: Any) -> Any:
+    """``_unnest`` with bind parameters ``<name>_<col>`` instead of values."""
+    args = [_arr_param(f"{name}_{col}", typ) for col, typ in cols.items()]
+    return (
+        sa.func.unnest(*args)
+        .table_valued(*[sa.column(n, typ) for n, typ in cols.items()])
+        .render_derived(name=name)
+    )
+
+
+# Statements on the hot paths are built once, with bind parameters, and kept:
+# building a SQLAlchemy expression and its cache key anew for every execution was
+# most of the control plane's CPU per task. ``_prebuilt(key, build)`` returns the
+# statement of that shape, building it on first use.
+_PREBUILT: dict[Any, Any] = {}
+
+
+def _prebuilt(key: Any, build: Callable[[], Any]) -> Any:
+    stmt = _PREBUILT.get(key)
+    if stmt is None:
+        stmt = _PREBUILT[key] = build()
+    return stmt
+
+
 def _live_host(now: datetime, liveness_s: float) -> sa.ColumnElement[bool]:
     return sa.and_(
         hosts.c.revoked_at.is_(None),
@@ -834,21 +863,8 @@ class Repository:
             row = (
                 (
                     await conn.execute(
-                        sa.select(
-                            *_FENCE_COLUMNS,
-                            hosts.c.session_generation.label("host_generation"),
-                            hosts.c.revoked_at.label("host_revoked_at"),
-                        )
-                        .select_from(
-                            tasks.join(
-                                attempts,
-                                sa.and_(
-                                    attempts.c.task_id == tasks.c.id, attempts.c.number == attempt
-                                ),
-                            ).outerjoin(hosts, hosts.c.host_id == session.host_id)
-                        )
-                        .where(tasks.c.id == task_id)
-                        .with_for_update(of=[tasks, attempts])
+                        _prebuilt("load", _load_stmt),
+                        {"task_id": task_id, "attempt": attempt, "host_id": session.host_id},
                     )
                 )
                 .mappings()
@@ -950,27 +966,20 @@ class Repository:
         """Compare-and-set the task (state and attempt) and its attempt in one
         statement; zero rows is a ``Conflict`` (the caller holds the row locks, so
         it means a bug rather than a race)."""
-        t = (
-            tasks.update()
-            .where(
-                tasks.c.id == task_id,
-                tasks.c.status.in_(from_states),
-                tasks.c.attempt == attempt,
-            )
-            .values(**task_values)
-            .returning(tasks.c.id)
-            .cte("t")
+        # A None is SQL NULL, part of the statement's shape (a JSON column would
+        # take a bound None as the JSON value null).
+        shape = (
+            tuple(from_states),
+            tuple(sorted((k, v is None) for k, v in task_values.items())),
+            tuple(sorted((k, v is None) for k, v in attempt_values.items())),
         )
+        params = {f"t_{k}": v for k, v in task_values.items() if v is not None}
+        params.update({f"a_{k}": v for k, v in attempt_values.items() if v is not None})
+        params["p_task_id"] = task_id
+        params["p_attempt"] = attempt
         done = (
             await conn.execute(
-                attempts.update()
-                .where(
-                    attempts.c.task_id == t.c.id,
-                    attempts.c.number == attempt,
-                    attempts.c.ended_at.is_(None),
-                )
-                .values(**attempt_values)
-                .returning(attempts.c.number)
+                _prebuilt(("update_pair", shape), lambda: _update_pair_stmt(*shape)), params
             )
         ).first()
         if done is None:
@@ -1034,34 +1043,15 @@ class Repository:
         transition loads it itself, to raise the precise error)."""
         if not keys:
             return {}
-        u = _unnest(
-            "k",
-            task_id=(UUIDT, [k[0] for k in keys]),
-            number=(sa.Integer, [k[1] for k in keys]),
-            host_id=(sa.Text, [k[2] for k in keys]),
-        )
         rows = (
             (
                 await conn.execute(
-                    sa.select(
-                        *_FENCE_COLUMNS,
-                        u.c.host_id.label("k_host_id"),
-                        hosts.c.session_generation.label("host_generation"),
-                        hosts.c.revoked_at.label("host_revoked_at"),
-                    )
-                    .select_from(
-                        u.join(
-                            attempts,
-                            sa.and_(
-                                attempts.c.task_id == u.c.task_id,
-                                attempts.c.number == u.c.number,
-                            ),
-                        )
-                        .join(tasks, tasks.c.id == attempts.c.task_id)
-                        .outerjoin(hosts, hosts.c.host_id == u.c.host_id)
-                    )
-                    .order_by(tasks.c.id)
-                    .with_for_update(of=[tasks, attempts])
+                    _prebuilt("load_many", _load_many_stmt),
+                    {
+                        "k_task_id": [k[0] for k in keys],
+                        "k_number": [k[1] for k in keys],
+                        "k_host_id": [k[2] for k in keys],
+                    },
                 )
             )
             .mappings()
@@ -1075,33 +1065,9 @@ class Repository:
         """Delete the reservations of ``task_ids`` and turn their devices idle if
         they were reported busy, in one statement that locks the device rows in
         (host, device) order."""
-        freed = (
-            device_reservations.delete()
-            .where(device_reservations.c.task_id == sa.any_(_arr(task_ids, UUIDT)))
-            .returning(device_reservations.c.host_id, device_reservations.c.device_id)
-            .cte("freed")
-        )
-        locked = (
-            sa.select(devices.c.host_id, devices.c.device_id)
-            .join(
-                freed,
-                sa.and_(
-                    devices.c.host_id == freed.c.host_id, devices.c.device_id == freed.c.device_id
-                ),
-            )
-            .where(devices.c.state == "busy")
-            .order_by(devices.c.host_id, devices.c.device_id)
-            .with_for_update(of=devices)
-            .cte("locked")
-        )
         await conn.execute(
-            devices.update()
-            .where(
-                devices.c.host_id == locked.c.host_id,
-                devices.c.device_id == locked.c.device_id,
-                devices.c.state == "busy",
-            )
-            .values(state="idle", updated_at=now)
+            _prebuilt("release_devices", _release_devices_stmt),
+            {"task_ids": list(task_ids), "now": now},
         )
 
     async def _outcome(self, t: Transition) -> Any:
@@ -1235,17 +1201,15 @@ class Repository:
             raise Invalid("device_ids must be a sequence of strings", field="device_ids")
         if limit is not None:
             _check_int(limit, "limit", 1, 100_000)
-        conds = [
-            tasks.c.status == TaskState.ASSIGNED.value,
-            attempts.c.host_id == host_id,
-        ]
-        if device_ids:
-            conds.append(attempts.c.device_id == sa.any_(_arr(list(device_ids), sa.Text)))
+        on_devices = bool(device_ids)
+        params: dict[str, Any] = {"host_id": host_id, "lim": limit if limit is not None else None}
+        if on_devices:
+            params["device_ids"] = list(device_ids)
 
         async def run(conn: AsyncConnection, now: datetime) -> list[Assignment]:
-            return await self._assignments(
-                conn, *conds, attempts.c.claim_deadline > now, limit=limit
-            )
+            stmt = _prebuilt(("pending", on_devices), lambda: _pending_stmt(on_devices))
+            rows = (await conn.execute(stmt, {**params, "now": now})).all()
+            return [_assignment(r) for r in rows]
 
         return await self._tx("pending_assignments", run, single_read=True)
 
@@ -1272,18 +1236,7 @@ class Repository:
                 .limit(limit)
             )
         ).all()
-        return [
-            Assignment(
-                task_id=r.id,
-                attempt=r.number,
-                host_id=r.host_id,
-                device_id=r.device_id,
-                lease_id=r.lease_id,
-                claim_deadline=r.claim_deadline,
-                project=r.project,
-            )
-            for r in rows
-        ]
+        return [_assignment(r) for r in rows]
 
     async def ack(
         self, session: Session, task_id: str, attempt: int, lease_token: str
@@ -2061,11 +2014,7 @@ class Repository:
 
         async def run(conn: AsyncConnection, now: datetime) -> int | None:
             row = (
-                await conn.execute(
-                    sa.select(hosts.c.session_generation, hosts.c.revoked_at).where(
-                        hosts.c.host_id == host_id
-                    )
-                )
+                await conn.execute(_prebuilt("host_row", _host_row_stmt), {"host_id": host_id})
             ).first()
             if row is None or row.revoked_at is not None or row.session_generation <= 0:
                 return None
@@ -2081,15 +2030,12 @@ class Repository:
         async def run(conn: AsyncConnection, now: datetime) -> None:
             seen = (
                 await conn.execute(
-                    hosts.update()
-                    .where(
-                        hosts.c.host_id == session.host_id,
-                        hosts.c.session_generation == session.generation,
-                        hosts.c.session_generation > 0,
-                        hosts.c.revoked_at.is_(None),
-                    )
-                    .values(last_seen=now)
-                    .returning(hosts.c.host_id)
+                    _prebuilt("host_seen", _host_seen_stmt),
+                    {
+                        "p_host_id": session.host_id,
+                        "p_generation": session.generation,
+                        "p_now": now,
+                    },
                 )
             ).first()
             if seen is None:
@@ -2101,48 +2047,24 @@ class Repository:
     async def _replace_devices(
         self, conn: AsyncConnection, now: datetime, host_id: str, snapshot: list[DeviceSnapshot]
     ) -> None:
-        dev_table = devices
         # Device order, as every statement that locks several device rows uses.
         snapshot = sorted(snapshot, key=lambda d: d.device_id)
         ids = [d.device_id for d in snapshot]
         await conn.execute(
-            dev_table.delete().where(
-                dev_table.c.host_id == host_id,
-                dev_table.c.device_id != sa.all_(_arr(ids, sa.Text)),
-            )
+            _prebuilt("devices_gone", _devices_gone_stmt), {"p_host_id": host_id, "p_ids": ids}
         )
         if not snapshot:
             return
-        r = _unnest(
-            "r",
-            device_id=(sa.Text, ids),
-            state=(sa.Text, [d.state for d in snapshot]),
-            capabilities=(sa.Text, [json.dumps(d.capabilities) for d in snapshot]),
-        )
-        stmt = pg_insert(dev_table).from_select(
-            ["host_id", "device_id", "state", "capabilities", "updated_at"],
-            sa.select(
-                sa.literal(host_id, sa.Text),
-                r.c.device_id,
-                r.c.state,
-                sa.cast(r.c.capabilities, dev_table.c.capabilities.type),
-                sa.literal(now, sa.DateTime(timezone=True)),
-            ),
-        )
         # Unchanged rows are not rewritten: updated_at is the time of the last change.
         await conn.execute(
-            stmt.on_conflict_do_update(
-                index_elements=[dev_table.c.host_id, dev_table.c.device_id],
-                set_={
-                    "state": stmt.excluded.state,
-                    "capabilities": stmt.excluded.capabilities,
-                    "updated_at": stmt.excluded.updated_at,
-                },
-                where=sa.or_(
-                    dev_table.c.state != stmt.excluded.state,
-                    dev_table.c.capabilities != stmt.excluded.capabilities,
-                ),
-            )
+            _prebuilt("devices_upsert", _devices_upsert_stmt),
+            {
+                "p_host_id": host_id,
+                "p_now": now,
+                "r_device_id": ids,
+                "r_state": [d.state for d in snapshot],
+                "r_capabilities": [json.dumps(d.capabilities) for d in snapshot],
+            },
         )
 
     async def reconcile(self, session: Session, entries: Sequence[JournalEntry]) -> ReconcileReport:
@@ -2819,3 +2741,207 @@ class Repository:
             ]
 
         return await self._tx("list_artifacts", run)
+
+
+# --- statements built once (see ``_prebuilt``) --------------------------------------
+
+
+def _assignment(r: Any) -> Assignment:
+    return Assignment(
+        task_id=r.id,
+        attempt=r.number,
+        host_id=r.host_id,
+        device_id=r.device_id,
+        lease_id=r.lease_id,
+        claim_deadline=r.claim_deadline,
+        project=r.project,
+    )
+
+
+def _load_stmt() -> Any:
+    return (
+        sa.select(
+            *_FENCE_COLUMNS,
+            hosts.c.session_generation.label("host_generation"),
+            hosts.c.revoked_at.label("host_revoked_at"),
+        )
+        .select_from(
+            tasks.join(
+                attempts,
+                sa.and_(
+                    attempts.c.task_id == tasks.c.id,
+                    attempts.c.number == sa.bindparam("attempt", type_=sa.Integer),
+                ),
+            ).outerjoin(hosts, hosts.c.host_id == sa.bindparam("host_id", type_=sa.Text))
+        )
+        .where(tasks.c.id == sa.bindparam("task_id", type_=UUIDT))
+        .with_for_update(of=[tasks, attempts])
+    )
+
+
+def _load_many_stmt() -> Any:
+    u = _unnest_params("k", task_id=UUIDT, number=sa.Integer, host_id=sa.Text)
+    return (
+        sa.select(
+            *_FENCE_COLUMNS,
+            u.c.host_id.label("k_host_id"),
+            hosts.c.session_generation.label("host_generation"),
+            hosts.c.revoked_at.label("host_revoked_at"),
+        )
+        .select_from(
+            u.join(
+                attempts,
+                sa.and_(attempts.c.task_id == u.c.task_id, attempts.c.number == u.c.number),
+            )
+            .join(tasks, tasks.c.id == attempts.c.task_id)
+            .outerjoin(hosts, hosts.c.host_id == u.c.host_id)
+        )
+        .order_by(tasks.c.id)
+        .with_for_update(of=[tasks, attempts])
+    )
+
+
+def _set_values(table: sa.Table, prefix: str, keys: tuple[tuple[str, bool], ...]) -> dict[str, Any]:
+    return {
+        k: sa.null() if is_none else sa.bindparam(f"{prefix}{k}", type_=table.c[k].type)
+        for k, is_none in keys
+    }
+
+
+def _update_pair_stmt(
+    from_states: tuple[str, ...],
+    task_keys: tuple[tuple[str, bool], ...],
+    attempt_keys: tuple[tuple[str, bool], ...],
+) -> Any:
+    attempt = sa.bindparam("p_attempt", type_=sa.Integer)
+    t = (
+        tasks.update()
+        .where(
+            tasks.c.id == sa.bindparam("p_task_id", type_=UUIDT),
+            sa.or_(*[tasks.c.status == s for s in from_states]),
+            tasks.c.attempt == attempt,
+        )
+        .values(_set_values(tasks, "t_", task_keys))
+        .returning(tasks.c.id)
+        .cte("t")
+    )
+    return (
+        attempts.update()
+        .where(
+            attempts.c.task_id == t.c.id,
+            attempts.c.number == attempt,
+            attempts.c.ended_at.is_(None),
+        )
+        .values(_set_values(attempts, "a_", attempt_keys))
+        .returning(attempts.c.number)
+    )
+
+
+def _release_devices_stmt() -> Any:
+    freed = (
+        device_reservations.delete()
+        .where(device_reservations.c.task_id == sa.any_(_arr_param("task_ids", UUIDT)))
+        .returning(device_reservations.c.host_id, device_reservations.c.device_id)
+        .cte("freed")
+    )
+    locked = (
+        sa.select(devices.c.host_id, devices.c.device_id)
+        .join(
+            freed,
+            sa.and_(devices.c.host_id == freed.c.host_id, devices.c.device_id == freed.c.device_id),
+        )
+        .where(devices.c.state == "busy")
+        .order_by(devices.c.host_id, devices.c.device_id)
+        .with_for_update(of=devices)
+        .cte("locked")
+    )
+    return (
+        devices.update()
+        .where(
+            devices.c.host_id == locked.c.host_id,
+            devices.c.device_id == locked.c.device_id,
+            devices.c.state == "busy",
+        )
+        .values(state="idle", updated_at=sa.bindparam("now", type_=devices.c.updated_at.type))
+    )
+
+
+def _pending_stmt(on_devices: bool) -> Any:
+    conds = [
+        tasks.c.status == TaskState.ASSIGNED.value,
+        attempts.c.host_id == sa.bindparam("host_id", type_=sa.Text),
+        attempts.c.claim_deadline > sa.bindparam("now", type_=attempts.c.claim_deadline.type),
+    ]
+    if on_devices:
+        conds.append(attempts.c.device_id == sa.any_(_arr_param("device_ids", sa.Text)))
+    return (
+        sa.select(
+            tasks.c.id,
+            tasks.c.project,
+            attempts.c.number,
+            attempts.c.host_id,
+            attempts.c.device_id,
+            attempts.c.lease_id,
+            attempts.c.claim_deadline,
+        )
+        .join(
+            attempts,
+            sa.and_(attempts.c.task_id == tasks.c.id, attempts.c.number == tasks.c.attempt),
+        )
+        .where(*conds)
+        .order_by(attempts.c.assigned_at, tasks.c.seq)
+        .limit(sa.bindparam("lim", type_=sa.Integer))
+    )
+
+
+def _host_row_stmt() -> Any:
+    return sa.select(hosts.c.session_generation, hosts.c.revoked_at).where(
+        hosts.c.host_id == sa.bindparam("host_id", type_=sa.Text)
+    )
+
+
+def _host_seen_stmt() -> Any:
+    return (
+        hosts.update()
+        .where(
+            hosts.c.host_id == sa.bindparam("p_host_id", type_=sa.Text),
+            hosts.c.session_generation == sa.bindparam("p_generation", type_=sa.Integer),
+            hosts.c.session_generation > 0,
+            hosts.c.revoked_at.is_(None),
+        )
+        .values(last_seen=sa.bindparam("p_now", type_=hosts.c.last_seen.type))
+        .returning(hosts.c.host_id)
+    )
+
+
+def _devices_gone_stmt() -> Any:
+    return devices.delete().where(
+        devices.c.host_id == sa.bindparam("p_host_id", type_=sa.Text),
+        devices.c.device_id != sa.all_(_arr_param("p_ids", sa.Text)),
+    )
+
+
+def _devices_upsert_stmt() -> Any:
+    r = _unnest_params("r", device_id=sa.Text, state=sa.Text, capabilities=sa.Text)
+    stmt = pg_insert(devices).from_select(
+        ["host_id", "device_id", "state", "capabilities", "updated_at"],
+        sa.select(
+            sa.bindparam("p_host_id", type_=sa.Text),
+            r.c.device_id,
+            r.c.state,
+            sa.cast(r.c.capabilities, devices.c.capabilities.type),
+            sa.bindparam("p_now", type_=devices.c.updated_at.type),
+        ),
+    )
+    return stmt.on_conflict_do_update(
+        index_elements=[devices.c.host_id, devices.c.device_id],
+        set_={
+            "state": stmt.excluded.state,
+            "capabilities": stmt.excluded.capabilities,
+            "updated_at": stmt.excluded.updated_at,
+        },
+        where=sa.or_(
+            devices.c.state != stmt.excluded.state,
+            devices.c.capabilities != stmt.excluded.capabilities,
+        ),
+    )
