@@ -675,26 +675,32 @@ class Repository:
         project, priority then FIFO within one), that match some free device."""
         free_sub = self._free_devices(now).subquery("free")
         waiting = sa.and_(tasks.c.status.in_(_WAITING), tasks.c.eligible_at <= now)
-        # Whether some free device matches is asked once per distinct selector,
-        # not once per waiting task (a deep queue has few distinct selectors).
-        selectors = sa.select(tasks.c.selector).where(waiting).distinct().cte("selectors")
-        matchable = (
-            sa.select(selectors.c.selector)
-            .where(sa.exists().where(free_sub.c.capabilities.contains(selectors.c.selector)))
-            .cte("matchable")
+        # Only the first few waiting tasks of each project can rank within the
+        # first n: a short scan of ix_tasks_waiting_project per project (the
+        # literal state list lets PostgreSQL use the partial index), checking
+        # each scanned task against the free devices, instead of ranking every
+        # waiting task on each assignment. The slack covers tasks this
+        # transaction already holds and those other assigners have locked.
+        top = (
+            sa.select(tasks.c.id, tasks.c.priority, tasks.c.seq)
+            .where(
+                tasks.c.project == projects.c.name,
+                sa.text("tasks.status IN ('queued', 'retrying')"),
+                tasks.c.eligible_at <= now,
+                sa.exists().where(free_sub.c.capabilities.contains(tasks.c.selector)),
+            )
+            .order_by(tasks.c.priority.desc(), tasks.c.seq)
+            .limit(2 * n + len(exclude))
+            .lateral("top")
         )
         ranked = (
             sa.select(
-                tasks.c.id,
+                top.c.id,
                 sa.func.row_number()
-                .over(
-                    partition_by=tasks.c.project,
-                    order_by=(tasks.c.priority.desc(), tasks.c.seq),
-                )
+                .over(partition_by=projects.c.name, order_by=(top.c.priority.desc(), top.c.seq))
                 .label("rn"),
             )
-            .join(matchable, matchable.c.selector == tasks.c.selector)
-            .where(waiting)
+            .select_from(projects.join(top, sa.true()))
             .cte("ranked")
         )
         stmt = (

@@ -124,6 +124,14 @@ tasks = sa.Table(
     sa.Index("ix_tasks_status", "status"),
     sa.Index("ix_tasks_owner", "owner"),
 )
+# The assigner's per-project scan in rank order (migration 0002).
+sa.Index(
+    "ix_tasks_waiting_project",
+    tasks.c.project,
+    tasks.c.priority.desc(),
+    tasks.c.seq,
+    postgresql_where=sa.text("status IN ('queued', 'retrying')"),
+)
 
 attempts = sa.Table(
     "attempts",
