@@ -624,20 +624,8 @@ class Repository:
         _check_int(limit, "limit", 1, 10_000)
         return await self._tx("assign", lambda conn, now: self._assign(conn, now, limit))
 
-    def _free_devices(self, now: datetime) -> sa.Select[Any]:
-        reserved = sa.exists().where(
-            device_reservations.c.host_id == devices.c.host_id,
-            device_reservations.c.device_id == devices.c.device_id,
-        )
-        return (
-            sa.select(devices.c.host_id, devices.c.device_id, devices.c.capabilities)
-            .join(hosts, hosts.c.host_id == devices.c.host_id)
-            .where(
-                devices.c.state == "idle",
-                _live_host(now, self.timings.liveness_s),
-                ~reserved,
-            )
-        )
+    def _free_params(self, now: datetime) -> dict[str, Any]:
+        return {"now": now, "live_after": now - timedelta(seconds=self.timings.liveness_s)}
 
     async def _assign(self, conn: AsyncConnection, now: datetime, limit: int) -> list[Assignment]:
         """Candidates come in rank order, in batches: each batch re-reads the free
@@ -648,12 +636,9 @@ class Repository:
         won: list[Assignment] = []
         pending: list[Any] = []
         seen: list[str] = []
+        params = self._free_params(now)
         for _batch in range(8):
-            free = (
-                await conn.execute(
-                    self._free_devices(now).order_by(devices.c.host_id, devices.c.device_id)
-                )
-            ).all()
+            free = (await conn.execute(_prebuilt("free_devices", _free_devices_stmt), params)).all()
             room = min(limit - len(won), len(free))
             if room <= 0:
                 break
@@ -673,55 +658,15 @@ class Repository:
     ) -> list[Any]:
         """Lock the next ``n`` waiting tasks, fair across projects (round-robin by
         project, priority then FIFO within one), that match some free device."""
-        free_sub = self._free_devices(now).subquery("free")
-        waiting = sa.and_(tasks.c.status.in_(_WAITING), tasks.c.eligible_at <= now)
-        # Only the first few waiting tasks of each project can rank within the
-        # first n: a short scan of ix_tasks_waiting_project per project (the
-        # literal state list lets PostgreSQL use the partial index), checking
-        # each scanned task against the free devices, instead of ranking every
-        # waiting task on each assignment. The slack covers tasks this
-        # transaction already holds and those other assigners have locked.
-        top = (
-            sa.select(tasks.c.id, tasks.c.priority, tasks.c.seq)
-            .where(
-                tasks.c.project == projects.c.name,
-                sa.text("tasks.status IN ('queued', 'retrying')"),
-                tasks.c.eligible_at <= now,
-                sa.exists().where(free_sub.c.capabilities.contains(tasks.c.selector)),
-            )
-            .order_by(tasks.c.priority.desc(), tasks.c.seq)
-            .limit(2 * n + len(exclude))
-            .lateral("top")
+        params = {
+            **self._free_params(now),
+            "n": n,
+            "scan": 2 * n + len(exclude),
+            "exclude": list(exclude),
+        }
+        return list(
+            (await conn.execute(_prebuilt("lock_candidates", _lock_candidates_stmt), params)).all()
         )
-        ranked = (
-            sa.select(
-                top.c.id,
-                sa.func.row_number()
-                .over(partition_by=projects.c.name, order_by=(top.c.priority.desc(), top.c.seq))
-                .label("rn"),
-            )
-            .select_from(projects.join(top, sa.true()))
-            .cte("ranked")
-        )
-        stmt = (
-            sa.select(
-                tasks.c.id,
-                tasks.c.status,
-                tasks.c.attempt,
-                tasks.c.selector,
-                tasks.c.project,
-            )
-            .join(ranked, ranked.c.id == tasks.c.id)
-            # The rank comes from a snapshot; this WHERE is rechecked on the locked
-            # row, so a task another assigner took meanwhile drops out.
-            .where(waiting)
-            .order_by(ranked.c.rn, tasks.c.priority.desc(), tasks.c.seq)
-            .limit(n)
-            .with_for_update(of=tasks, skip_locked=True)
-        )
-        if exclude:
-            stmt = stmt.where(tasks.c.id != sa.all_(_arr(exclude, UUIDT)))
-        return list((await conn.execute(stmt)).all())
 
     async def _reserve(
         self,
@@ -756,28 +701,16 @@ class Repository:
             if not pairs:
                 break
             pairs.sort(key=lambda p: (p[1].host_id, p[1].device_id))
-            r = _unnest(
-                "r",
-                host_id=(sa.Text, [d.host_id for _, d in pairs]),
-                device_id=(sa.Text, [d.device_id for _, d in pairs]),
-                task_id=(UUIDT, [t.id for t, _ in pairs]),
-                attempt=(sa.Integer, [t.attempt + 1 for t, _ in pairs]),
-            )
             inserted = (
                 await conn.execute(
-                    pg_insert(device_reservations)
-                    .from_select(
-                        ["host_id", "device_id", "task_id", "attempt", "reserved_at"],
-                        sa.select(
-                            r.c.host_id,
-                            r.c.device_id,
-                            r.c.task_id,
-                            r.c.attempt,
-                            sa.literal(now, sa.DateTime(timezone=True)),
-                        ),
-                    )
-                    .on_conflict_do_nothing()
-                    .returning(device_reservations.c.task_id)
+                    _prebuilt("reserve", _reserve_stmt),
+                    {
+                        "r_host_id": [d.host_id for _, d in pairs],
+                        "r_device_id": [d.device_id for _, d in pairs],
+                        "r_task_id": [t.id for t, _ in pairs],
+                        "r_attempt": [t.attempt + 1 for t, _ in pairs],
+                        "p_now": now,
+                    },
                 )
             ).scalars()
             got = {str(t) for t in inserted}
@@ -790,7 +723,7 @@ class Repository:
             # Somebody else reserved some of our devices: look again.
             free = (
                 await conn.execute(
-                    self._free_devices(now).order_by(devices.c.host_id, devices.c.device_id)
+                    _prebuilt("free_devices", _free_devices_stmt), self._free_params(now)
                 )
             ).all()
         # Rank order for the caller, whatever order the devices were inserted in.
@@ -828,24 +761,13 @@ class Repository:
                 for a in out
             ],
         )
-        r = _unnest(
-            "r",
-            id=(UUIDT, [a.task_id for a in out]),
-            number=(sa.Integer, [a.attempt for a in out]),
-        )
         updated = await conn.execute(
-            tasks.update()
-            .where(
-                tasks.c.id == r.c.id,
-                tasks.c.status.in_(_WAITING),
-                tasks.c.attempt == r.c.number - 1,
-            )
-            .values(
-                status=TaskState.ASSIGNED.value,
-                attempt=r.c.number,
-                progress_seq=0,
-                updated_at=now,
-            )
+            _prebuilt("bind_attempts", _bind_attempts_stmt),
+            {
+                "r_id": [a.task_id for a in out],
+                "r_number": [a.attempt for a in out],
+                "p_now": now,
+            },
         )
         if updated.rowcount != len(out):  # locked rows cannot move: a bug if seen
             raise Conflict("assignment lost its task", reason="assign_race")
@@ -2950,4 +2872,115 @@ def _devices_upsert_stmt() -> Any:
             devices.c.state != stmt.excluded.state,
             devices.c.capabilities != stmt.excluded.capabilities,
         ),
+    )
+
+
+def _free_devices_sub() -> Any:
+    """Idle devices of live hosts without a reservation (params ``live_after``)."""
+    reserved = sa.exists().where(
+        device_reservations.c.host_id == devices.c.host_id,
+        device_reservations.c.device_id == devices.c.device_id,
+    )
+    return (
+        sa.select(devices.c.host_id, devices.c.device_id, devices.c.capabilities)
+        .join(hosts, hosts.c.host_id == devices.c.host_id)
+        .where(
+            devices.c.state == "idle",
+            hosts.c.revoked_at.is_(None),
+            hosts.c.session_generation > 0,
+            hosts.c.last_seen > sa.bindparam("live_after", type_=hosts.c.last_seen.type),
+            ~reserved,
+        )
+    )
+
+
+def _free_devices_stmt() -> Any:
+    return _free_devices_sub().order_by(devices.c.host_id, devices.c.device_id)
+
+
+def _lock_candidates_stmt() -> Any:
+    """The next ``n`` waiting tasks that match some free device, fair across
+    projects (round-robin by project, priority then FIFO within one), locked,
+    except ``exclude``.
+
+    Only the first few waiting tasks of each project can rank within the first
+    n: a short scan of ix_tasks_waiting_project per project (the literal state
+    list lets PostgreSQL use the partial index), each scanned task checked
+    against the free devices, instead of ranking every waiting task on each
+    assignment. The slack (``scan``) covers tasks this transaction already
+    holds and those other assigners have locked."""
+    now = sa.bindparam("now", type_=tasks.c.eligible_at.type)
+    free_sub = _free_devices_sub().subquery("free")
+    top = (
+        sa.select(tasks.c.id, tasks.c.priority, tasks.c.seq)
+        .where(
+            tasks.c.project == projects.c.name,
+            sa.text("tasks.status IN ('queued', 'retrying')"),
+            tasks.c.eligible_at <= now,
+            sa.exists().where(free_sub.c.capabilities.contains(tasks.c.selector)),
+        )
+        .order_by(tasks.c.priority.desc(), tasks.c.seq)
+        .limit(sa.bindparam("scan", type_=sa.Integer))
+        .lateral("top")
+    )
+    ranked = (
+        sa.select(
+            top.c.id,
+            sa.func.row_number()
+            .over(partition_by=projects.c.name, order_by=(top.c.priority.desc(), top.c.seq))
+            .label("rn"),
+        )
+        .select_from(projects.join(top, sa.true()))
+        .cte("ranked")
+    )
+    return (
+        sa.select(tasks.c.id, tasks.c.status, tasks.c.attempt, tasks.c.selector, tasks.c.project)
+        .join(ranked, ranked.c.id == tasks.c.id)
+        # The rank comes from a snapshot; this WHERE is rechecked on the locked
+        # row, so a task another assigner took meanwhile drops out.
+        .where(
+            sa.or_(*[tasks.c.status == w for w in _WAITING]),
+            tasks.c.eligible_at <= now,
+            tasks.c.id != sa.all_(_arr_param("exclude", UUIDT)),
+        )
+        .order_by(ranked.c.rn, tasks.c.priority.desc(), tasks.c.seq)
+        .limit(sa.bindparam("n", type_=sa.Integer))
+        .with_for_update(of=tasks, skip_locked=True)
+    )
+
+
+def _reserve_stmt() -> Any:
+    r = _unnest_params("r", host_id=sa.Text, device_id=sa.Text, task_id=UUIDT, attempt=sa.Integer)
+    return (
+        pg_insert(device_reservations)
+        .from_select(
+            ["host_id", "device_id", "task_id", "attempt", "reserved_at"],
+            sa.select(
+                r.c.host_id,
+                r.c.device_id,
+                r.c.task_id,
+                r.c.attempt,
+                sa.bindparam("p_now", type_=device_reservations.c.reserved_at.type),
+            ),
+        )
+        .on_conflict_do_nothing()
+        .returning(device_reservations.c.task_id)
+    )
+
+
+def _bind_attempts_stmt() -> Any:
+    r = _unnest_params("r", id=UUIDT, number=sa.Integer)
+    return (
+        tasks.update()
+        .where(
+            tasks.c.id == r.c.id,
+            sa.or_(*[tasks.c.status == w for w in _WAITING]),
+            tasks.c.attempt == r.c.number - 1,
+        )
+        .values(
+            status=TaskState.ASSIGNED.value,
+            attempt=r.c.number,
+            progress_seq=0,
+            updated_at=sa.bindparam("p_now", type_=tasks.c.updated_at.type),
+        )
     )
