@@ -60,7 +60,11 @@ def install_chaos_hook(
 
     loop.add_signal_handler(signal.SIGUSR1, on_sigusr1)
     log.warning("chaos_hook_installed", directory=directory)
-    return lambda: loop.remove_signal_handler(signal.SIGUSR1)
+
+    def uninstall() -> None:
+        loop.remove_signal_handler(signal.SIGUSR1)
+
+    return uninstall
 
 
 @dataclass(kw_only=True)

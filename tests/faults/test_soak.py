@@ -47,7 +47,7 @@ async def test_a_one_minute_soak_has_zero_invariant_violations(tmp_path: Path) -
     assert report["violations"] == []
     assert report["unfinished"] == 0
     assert report["ok"] is True
-    assert report["submitted"] > 0 and report["faults"], "the soak injected nothing"
+    assert report["submitted"] > 0 and report["faults"], "the soak injected nothing"  # type: ignore[operator]
     kills = [f for f in report["faults"] if f["kind"] == "actor_kill"]  # type: ignore[attr-defined]
     assert kills, report["faults_by_kind"]
     assert all("restarted" in f["detail"] for f in kills), kills
