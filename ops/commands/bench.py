@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
 from typing import Any
 
@@ -91,15 +92,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
     _quiet_logs()
+    # SIGTERM / SIGHUP unwind like Ctrl-C, so the serve subprocess, agents and
+    # scratch databases of the run are cleaned up (killed with the default
+    # action, the bench left its serve running and holding 40 connections).
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         report = asyncio.run(run(opts))
     except BenchError as exc:
         raise CliError(str(exc), EXIT_UNAVAILABLE) from exc
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if args.json:
         print_json(report)
     else:
         print_report(report)
     return EXIT_OK
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _progress(text: str) -> None:
