@@ -658,14 +658,24 @@ class Repository:
     ) -> list[Any]:
         """Lock the next ``n`` waiting tasks, fair across projects (round-robin by
         project, priority then FIFO within one), that match some free device."""
-        params = {
-            **self._free_params(now),
-            "n": n,
-            "scan": 2 * n + len(exclude),
-            "exclude": list(exclude),
-        }
+        # Two short statements: the rank (no locks), then the ranked tasks locked
+        # by primary key. As one statement the planner, misled by the fast-moving
+        # statistics of the tasks table, joined every waiting task against the
+        # ranking (8 ms with 3,000 waiting, on every assignment).
+        params = {**self._free_params(now), "scan": 2 * n + len(exclude)}
+        ranked = [
+            r.id
+            for r in await conn.execute(_prebuilt("rank_candidates", _rank_candidates_stmt), params)
+        ]
+        skip = set(exclude)
+        ranked = [t for t in ranked if t not in skip]
+        if not ranked:
+            return []
         return list(
-            (await conn.execute(_prebuilt("lock_candidates", _lock_candidates_stmt), params)).all()
+            await conn.execute(
+                _prebuilt("lock_candidates", _lock_candidates_stmt),
+                {"now": now, "ids": ranked, "n": n},
+            )
         )
 
     async def _reserve(
@@ -2898,17 +2908,17 @@ def _free_devices_stmt() -> Any:
     return _free_devices_sub().order_by(devices.c.host_id, devices.c.device_id)
 
 
-def _lock_candidates_stmt() -> Any:
-    """The next ``n`` waiting tasks that match some free device, fair across
-    projects (round-robin by project, priority then FIFO within one), locked,
-    except ``exclude``.
+def _rank_candidates_stmt() -> Any:
+    """The first ``scan`` waiting tasks that match some free device, fair across
+    projects (round-robin by project, priority then FIFO within one), as ids in
+    rank order; nothing locked.
 
     Only the first few waiting tasks of each project can rank within the first
     n: a short scan of ix_tasks_waiting_project per project (the literal state
     list lets PostgreSQL use the partial index), each scanned task checked
     against the free devices, instead of ranking every waiting task on each
-    assignment. The slack (``scan``) covers tasks this transaction already
-    holds and those other assigners have locked."""
+    assignment. The slack (``scan`` = 2n + excluded) covers tasks this
+    transaction already holds and those other assigners have locked."""
     now = sa.bindparam("now", type_=tasks.c.eligible_at.type)
     free_sub = _free_devices_sub().subquery("free")
     top = (
@@ -2923,27 +2933,37 @@ def _lock_candidates_stmt() -> Any:
         .limit(sa.bindparam("scan", type_=sa.Integer))
         .lateral("top")
     )
-    ranked = (
-        sa.select(
-            top.c.id,
-            sa.func.row_number()
-            .over(partition_by=projects.c.name, order_by=(top.c.priority.desc(), top.c.seq))
-            .label("rn"),
-        )
-        .select_from(projects.join(top, sa.true()))
-        .cte("ranked")
+    rn = (
+        sa.func.row_number()
+        .over(partition_by=projects.c.name, order_by=(top.c.priority.desc(), top.c.seq))
+        .label("rn")
     )
+    ranked = (
+        sa.select(top.c.id, top.c.priority, top.c.seq, rn)
+        .select_from(projects.join(top, sa.true()))
+        .subquery("ranked")
+    )
+    # No overall limit: every project's first ``scan`` stay candidates, so that
+    # concurrent assigners skipping each other's locked tasks still find enough.
+    return sa.select(ranked.c.id).order_by(ranked.c.rn, ranked.c.priority.desc(), ranked.c.seq)
+
+
+def _lock_candidates_stmt() -> Any:
+    """The first ``n`` of the ranked tasks ``ids`` that are still waiting, locked
+    (SKIP LOCKED: a task another assigner holds drops out). The WHERE is
+    rechecked on the locked row, so a task another assigner took meanwhile drops
+    out too."""
+    ids = _arr_param("ids", UUIDT)
     return (
         sa.select(tasks.c.id, tasks.c.status, tasks.c.attempt, tasks.c.selector, tasks.c.project)
-        .join(ranked, ranked.c.id == tasks.c.id)
-        # The rank comes from a snapshot; this WHERE is rechecked on the locked
-        # row, so a task another assigner took meanwhile drops out.
         .where(
+            tasks.c.id == sa.any_(ids),
             sa.or_(*[tasks.c.status == w for w in _WAITING]),
-            tasks.c.eligible_at <= now,
-            tasks.c.id != sa.all_(_arr_param("exclude", UUIDT)),
+            tasks.c.eligible_at <= sa.bindparam("now", type_=tasks.c.eligible_at.type),
         )
-        .order_by(ranked.c.rn, tasks.c.priority.desc(), tasks.c.seq)
+        # In rank order, locking rows one by one until n are held (the limit is
+        # above the row locking: skipped rows do not count, the rest stay free).
+        .order_by(sa.func.array_position(ids, tasks.c.id))
         .limit(sa.bindparam("n", type_=sa.Integer))
         .with_for_update(of=tasks, skip_locked=True)
     )
