@@ -467,6 +467,11 @@ class RepositoryMachine(RuleBasedStateMachine):
         if replay:
             return
         t.result_attempt, t.fingerprint = lease.attempt, fingerprint
+        # The report frees the device: a "busy" its host reported while the
+        # attempt ran turns idle with it (an expiry leaves it busy).
+        devices = self.hosts[a.host].devices
+        if devices.get(a.device) == "busy":
+            devices[a.device] = "idle"
         if outcome is Outcome.DONE:
             t.current.end_reason, t.state = "done", "done"
         elif outcome is Outcome.CANCELLED:
