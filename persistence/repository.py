@@ -638,7 +638,9 @@ class Repository:
         seen: list[str] = []
         params = self._free_params(now)
         for _batch in range(8):
-            free = (await conn.execute(_prebuilt("free_devices", _free_devices_stmt), params)).all()
+            free = _FreeDevice.load(
+                (await conn.execute(_prebuilt("free_devices", _free_devices_stmt), params)).all()
+            )
             room = min(limit - len(won), len(free))
             if room <= 0:
                 break
@@ -731,11 +733,13 @@ class Repository:
             if len(got) == len(pairs) or not pending:
                 break
             # Somebody else reserved some of our devices: look again.
-            free = (
-                await conn.execute(
-                    _prebuilt("free_devices", _free_devices_stmt), self._free_params(now)
-                )
-            ).all()
+            free = _FreeDevice.load(
+                (
+                    await conn.execute(
+                        _prebuilt("free_devices", _free_devices_stmt), self._free_params(now)
+                    )
+                ).all()
+            )
         # Rank order for the caller, whatever order the devices were inserted in.
         rank = {t.id: i for i, t in enumerate(candidates)}
         return sorted(won, key=lambda a: rank[a.task_id])
@@ -2885,14 +2889,18 @@ def _devices_upsert_stmt() -> Any:
     )
 
 
-def _free_devices_sub() -> Any:
-    """Idle devices of live hosts without a reservation (params ``live_after``)."""
+def _free_devices_sub(*, caps_text: bool = False) -> Any:
+    """Idle devices of live hosts without a reservation (params ``live_after``);
+    with ``caps_text`` the capabilities come as JSON text (see ``_FreeDevice``)."""
     reserved = sa.exists().where(
         device_reservations.c.host_id == devices.c.host_id,
         device_reservations.c.device_id == devices.c.device_id,
     )
+    caps: Any = devices.c.capabilities
+    if caps_text:
+        caps = sa.cast(devices.c.capabilities, sa.Text).label("caps")
     return (
-        sa.select(devices.c.host_id, devices.c.device_id, devices.c.capabilities)
+        sa.select(devices.c.host_id, devices.c.device_id, caps)
         .join(hosts, hosts.c.host_id == devices.c.host_id)
         .where(
             devices.c.state == "idle",
@@ -2905,7 +2913,29 @@ def _free_devices_sub() -> Any:
 
 
 def _free_devices_stmt() -> Any:
-    return _free_devices_sub().order_by(devices.c.host_id, devices.c.device_id)
+    """The free devices for matching in Python, capabilities as JSON text decoded
+    once per distinct text (``_FreeDevice.load``): a fleet's devices share a few
+    capability sets, and decoding every row's JSONB was most of an assignment's
+    CPU with thousands of free devices."""
+    return _free_devices_sub(caps_text=True).order_by(devices.c.host_id, devices.c.device_id)
+
+
+@dataclass(frozen=True, slots=True)
+class _FreeDevice:
+    host_id: str
+    device_id: str
+    capabilities: dict[str, Any]
+
+    @staticmethod
+    def load(rows: Sequence[Any]) -> list[_FreeDevice]:
+        decoded: dict[str, dict[str, Any]] = {}
+        out = []
+        for r in rows:
+            caps = decoded.get(r.caps)
+            if caps is None:
+                caps = decoded[r.caps] = json.loads(r.caps) if r.caps else {}
+            out.append(_FreeDevice(r.host_id, r.device_id, caps))
+        return out
 
 
 def _rank_candidates_stmt() -> Any:
