@@ -637,6 +637,12 @@ class Repository:
         pending: list[Any] = []
         seen: list[str] = []
         params = self._free_params(now)
+        # Nothing waits (the common wake-up after a result): do not read every
+        # free device of the fleet to find out.
+        if (
+            await conn.execute(_prebuilt("any_waiting", _any_waiting_stmt), params)
+        ).first() is None:
+            return won
         for _batch in range(8):
             free = _FreeDevice.load(
                 (await conn.execute(_prebuilt("free_devices", _free_devices_stmt), params)).all()
@@ -2909,6 +2915,17 @@ def _free_devices_sub(*, caps_text: bool = False) -> Any:
             hosts.c.last_seen > sa.bindparam("live_after", type_=hosts.c.last_seen.type),
             ~reserved,
         )
+    )
+
+
+def _any_waiting_stmt() -> Any:
+    return (
+        sa.select(tasks.c.id)
+        .where(
+            sa.text("tasks.status IN ('queued', 'retrying')"),
+            tasks.c.eligible_at <= sa.bindparam("now", type_=tasks.c.eligible_at.type),
+        )
+        .limit(1)
     )
 
 
