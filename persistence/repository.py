@@ -1262,39 +1262,28 @@ class Repository:
             return []
 
         async def run(conn: AsyncConnection, now: datetime) -> list[LeaseStatus | Exception]:
-            keys = sorted(
-                {
-                    (t, r.attempt)
-                    for t, r in zip(checked, renewals, strict=True)
-                    if isinstance(t, str)
-                }
-            )
-            rows = await self._load_many(conn, keys)
-            host_ids = {r.session.host_id for r in renewals if isinstance(r, Renewal)}
-            host_rows = {
-                h.host_id: h
-                for h in await conn.execute(
-                    sa.select(
-                        hosts.c.host_id, hosts.c.session_generation, hosts.c.revoked_at
-                    ).where(hosts.c.host_id.in_(host_ids))
-                )
-            }
+            keys = [
+                (t, r.attempt, r.session.host_id)
+                for t, r in zip(checked, renewals, strict=True)
+                if isinstance(t, str)
+            ]
+            rows = await self._load_fenced_many(conn, sorted(set(keys)))
             new_expiry = now + timedelta(seconds=self.timings.lease_s)
-            out: list[LeaseStatus | Exception] = []
+            out: list[LeaseStatus | Exception | None] = []
             extend: set[tuple[str, int]] = set()
-            missing: list[str] = []
+            missing: list[int] = []
             for tid, r in zip(checked, renewals, strict=True):
                 if isinstance(tid, Exception):
                     out.append(tid)
                     continue
+                row = rows.get((tid, r.attempt, r.session.host_id))
+                if row is None:
+                    missing.append(len(out))
+                    out.append(None)  # decided below (rare: a wrong attempt or task)
+                    continue
                 try:
-                    h = host_rows.get(r.session.host_id)
-                    if h is None or not _session_ok(r.session, h.session_generation, h.revoked_at):
+                    if not _session_ok(r.session, row["host_generation"], row["host_revoked_at"]):
                         raise _unauthorized(r.session)
-                    row = rows.get((tid, r.attempt))
-                    if row is None:
-                        missing.append(tid)
-                        raise Conflict("no such attempt", reason="unknown_attempt", task_id=tid)
                     self._fence_lease(row, r.session, r.attempt, r.lease_token)
                     deadline = self._deadline(row)
                     if not deadline > now:
@@ -1306,39 +1295,59 @@ class Repository:
                 except RepositoryError as exc:
                     out.append(exc)
             if missing:
-                known = set(
-                    str(x)
-                    for x in (
-                        await conn.execute(sa.select(tasks.c.id).where(tasks.c.id.in_(missing)))
-                    ).scalars()
-                )
-                for i, (tid, _r) in enumerate(zip(checked, renewals, strict=True)):
-                    outcome = out[i]
-                    if (
-                        isinstance(outcome, Conflict)
-                        and outcome.fields.get("reason") == "unknown_attempt"
-                        and tid not in known
-                    ):
-                        out[i] = NotFound("no such task", task_id=tid)
+                await self._renewals_without_row(conn, renewals, checked, missing, out)
             if extend:
                 ex = sorted(extend)
-                u = _unnest(
-                    "r",
-                    task_id=(UUIDT, [k[0] for k in ex]),
-                    number=(sa.Integer, [k[1] for k in ex]),
-                )
                 await conn.execute(
-                    attempts.update()
-                    .where(
-                        attempts.c.task_id == u.c.task_id,
-                        attempts.c.number == u.c.number,
-                        attempts.c.ended_at.is_(None),
-                    )
-                    .values(lease_expires_at=new_expiry)
+                    _prebuilt("extend_leases", _extend_leases_stmt),
+                    {
+                        "r_task_id": [k[0] for k in ex],
+                        "r_number": [k[1] for k in ex],
+                        "p_exp": new_expiry,
+                    },
                 )
-            return out
+            return [o if o is not None else RuntimeError("renewal without outcome") for o in out]
 
         return await self._tx("renew", run)
+
+    async def _renewals_without_row(
+        self,
+        conn: AsyncConnection,
+        renewals: Sequence[Renewal],
+        checked: Sequence[str | Exception],
+        missing: Sequence[int],
+        out: list[LeaseStatus | Exception | None],
+    ) -> None:
+        """Outcomes of renewals whose (task, attempt) has no row: ``Unauthorized``
+        for a stale session, else ``NotFound`` (no such task) or ``Conflict``
+        (no such attempt)."""
+        host_ids = {renewals[i].session.host_id for i in missing}
+        host_rows = {
+            h.host_id: h
+            for h in await conn.execute(
+                sa.select(hosts.c.host_id, hosts.c.session_generation, hosts.c.revoked_at).where(
+                    hosts.c.host_id == sa.any_(_arr(sorted(host_ids), sa.Text))
+                )
+            )
+        }
+        tids = sorted({str(checked[i]) for i in missing})
+        known = {
+            str(x)
+            for x in (
+                await conn.execute(
+                    sa.select(tasks.c.id).where(tasks.c.id == sa.any_(_arr(tids, UUIDT)))
+                )
+            ).scalars()
+        }
+        for i in missing:
+            r, tid = renewals[i], str(checked[i])
+            h = host_rows.get(r.session.host_id)
+            if h is None or not _session_ok(r.session, h.session_generation, h.revoked_at):
+                out[i] = _unauthorized(r.session)
+            elif tid not in known:
+                out[i] = NotFound("no such task", task_id=tid)
+            else:
+                out[i] = Conflict("no such attempt", reason="unknown_attempt", task_id=tid)
 
     async def _load_many(
         self, conn: AsyncConnection, keys: Sequence[tuple[str, int]]
@@ -2915,6 +2924,19 @@ def _free_devices_sub(*, caps_text: bool = False) -> Any:
             hosts.c.last_seen > sa.bindparam("live_after", type_=hosts.c.last_seen.type),
             ~reserved,
         )
+    )
+
+
+def _extend_leases_stmt() -> Any:
+    r = _unnest_params("r", task_id=UUIDT, number=sa.Integer)
+    return (
+        attempts.update()
+        .where(
+            attempts.c.task_id == r.c.task_id,
+            attempts.c.number == r.c.number,
+            attempts.c.ended_at.is_(None),
+        )
+        .values(lease_expires_at=sa.bindparam("p_exp", type_=attempts.c.lease_expires_at.type))
     )
 
 
