@@ -2,7 +2,10 @@
 PostgreSQL transaction (compare-and-set), the time taken from an injected clock.
 
 CONTRACT (signatures fixed). Every method is one transaction that commits the
-whole transition or changes nothing; errors are the typed ones of
+whole transition or changes nothing (the host transitions built by ``claim_op``,
+``ack_op``, ``progress_op`` and ``report_result_op`` may share one transaction
+through ``run_many``, group commit: each still takes effect whole or not at
+all, and a refused one never undoes another); errors are the typed ones of
 ``persistence.errors``. Host-facing methods take the caller's ``Session`` (host
 id + generation), already authenticated by the transport; they re-check in the
 same transaction that the generation is the host's current one and the host is
