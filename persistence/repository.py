@@ -1167,26 +1167,7 @@ class Repository:
     async def _assignments(
         self, conn: AsyncConnection, *conds: sa.ColumnElement[bool], limit: int | None = None
     ) -> list[Assignment]:
-        rows = (
-            await conn.execute(
-                sa.select(
-                    tasks.c.id,
-                    tasks.c.project,
-                    attempts.c.number,
-                    attempts.c.host_id,
-                    attempts.c.device_id,
-                    attempts.c.lease_id,
-                    attempts.c.claim_deadline,
-                )
-                .join(
-                    attempts,
-                    sa.and_(attempts.c.task_id == tasks.c.id, attempts.c.number == tasks.c.attempt),
-                )
-                .where(*conds)
-                .order_by(attempts.c.assigned_at, tasks.c.seq)
-                .limit(limit)
-            )
-        ).all()
+        rows = (await conn.execute(_assignments_select(*conds).limit(limit))).all()
         return [_assignment(r) for r in rows]
 
     async def ack(
@@ -2834,6 +2815,11 @@ def _pending_stmt(on_devices: bool) -> Any:
     ]
     if on_devices:
         conds.append(attempts.c.device_id == sa.any_(_arr_param("device_ids", sa.Text)))
+    return _assignments_select(*conds).limit(sa.bindparam("lim", type_=sa.Integer))
+
+
+def _assignments_select(*conds: sa.ColumnElement[bool]) -> Any:
+    """Current attempts with their task, oldest assignment first."""
     return (
         sa.select(
             tasks.c.id,
@@ -2850,7 +2836,6 @@ def _pending_stmt(on_devices: bool) -> Any:
         )
         .where(*conds)
         .order_by(attempts.c.assigned_at, tasks.c.seq)
-        .limit(sa.bindparam("lim", type_=sa.Integer))
     )
 
 
