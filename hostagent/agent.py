@@ -1213,19 +1213,25 @@ class Agent:
             att.cancel_event.set()
 
     def _lease_lost(self, att: _Attempt, reason: str) -> None:
+        """The lease is gone: stop the runner; the journal entry may go."""
+        if self._stop_attempt(att, reason, "lease_lost"):
+            att.entry_done = True
+            self.stats.leases_lost += 1
+
+    def _stop_attempt(self, att: _Attempt, reason: str, event: str) -> bool:
+        """Mark the attempt lost and wake its runner (once): False if it already was."""
         if att.lost.is_set():
-            return
+            return False
         att.lose(reason)
-        att.entry_done = True
-        self.stats.leases_lost += 1
         log.warning(
-            "lease_lost",
+            event,
             task_id=att.record.task_id,
             attempt=att.record.attempt,
             device_id=att.record.device_id,
             reason=reason,
         )
         att.cancel_event.set()
+        return True
 
     async def _execute(self, att: _Attempt) -> None:
         rec = att.record
@@ -1371,18 +1377,8 @@ class Agent:
         journal entry stays, for the next reconciliation to settle (discarded
         if the control plane expired the attempt, resumed if an ack got through
         just in time)."""
-        if att.lost.is_set():
-            return
-        att.lose(reason)
-        self.stats.acks_given_up += 1
-        log.warning(
-            "ack_given_up",
-            task_id=att.record.task_id,
-            attempt=att.record.attempt,
-            device_id=att.record.device_id,
-            reason=reason,
-        )
-        att.cancel_event.set()
+        if self._stop_attempt(att, reason, "ack_given_up"):
+            self.stats.acks_given_up += 1
 
     def _context(self, att: _Attempt) -> RunContext:
         rec = att.record
