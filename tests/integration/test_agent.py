@@ -228,6 +228,31 @@ async def test_goal_and_workflow_tasks_run_to_done(
     assert running.agent.stats.results_reported == 2
 
 
+async def test_lease_flips_send_no_heartbeat_but_an_outside_change_is_sent_at_once(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    """The control plane knows a device is in use from its reservation: running
+    tasks sends no heartbeat (two of five requests per task before), while a
+    device going offline is reported without waiting for the period."""
+    system = await make_system()
+    running = await system.start_agent("h1", devices=2, heartbeat_s=3600.0)
+    sent = running.agent.stats.heartbeats_sent
+    ids = [await system.submit({"duration_s": 0.01}) for _ in range(4)]
+    for task_id in ids:
+        await system.wait_state(task_id, "done")
+    assert running.agent.stats.heartbeats_sent == sent
+
+    running.devices.set_offline("h1-dev-1")
+
+    states = await eventually(
+        system.repo.list_devices,
+        lambda rows: {r["device_id"]: r["state"] for r in rows}.get("h1-dev-1") == "offline",
+        timeout=10,
+    )
+    assert {r["device_id"]: r["state"] for r in states}["h1-dev-0"] == "idle"
+    assert running.agent.stats.heartbeats_sent == sent + 1
+
+
 def _journal_size(directory: Path) -> Callable[[], Awaitable[int]]:
     async def probe() -> int:
         def count() -> int:
