@@ -70,7 +70,6 @@ from persistence.errors import (
     Gone,
     Invalid,
     RepositoryError,
-    Unauthorized,
     Unavailable,
 )
 from persistence.model import (
@@ -323,9 +322,7 @@ class ControlPlane:
         if isinstance(device_ids, str) or not all(isinstance(d, str) for d in device_ids):
             raise Invalid("device_ids must be a list of strings", field="device_ids")
         async with self._request():
-            generation = await self._bounded(self.repo.current_generation(session.host_id))
-            if generation is None or generation != session.generation:
-                raise Unauthorized()
+            # Each look checks the session in its read (Unauthorized if superseded).
             loop = self.loop
             deadline = loop.time() + float(wait_s)
             host = session.host_id
@@ -360,8 +357,8 @@ class ControlPlane:
         # a thousand of them, for each of its polls, saturated the event loop); the
         # limit also covers those other polls of this process are claiming.
         pending: list[Assignment] = await self._bounded(
-            self.repo.pending_assignments(
-                session.host_id, device_ids=device_ids, limit=len(self._claiming) + 16
+            self.repo.session_pending(
+                session, device_ids=device_ids, limit=len(self._claiming) + 16
             )
         )
         for a in sorted(pending, key=lambda a: a.claim_deadline):

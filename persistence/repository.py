@@ -1164,6 +1164,33 @@ class Repository:
 
         return await self._tx("pending_assignments", run, single_read=True)
 
+    async def session_pending(
+        self, session: Session, *, device_ids: Sequence[str] = (), limit: int | None = None
+    ) -> list[Assignment]:
+        """``pending_assignments`` of the session's host, checking in the same
+        statement that the session is current (``Unauthorized`` if not): one read
+        per long-poll look instead of two."""
+        _check_session(session)
+        if isinstance(device_ids, str) or not all(isinstance(d, str) for d in device_ids):
+            raise Invalid("device_ids must be a sequence of strings", field="device_ids")
+        if limit is not None:
+            _check_int(limit, "limit", 1, 100_000)
+        on_devices = bool(device_ids)
+        params: dict[str, Any] = {"host_id": session.host_id, "lim": limit}
+        if on_devices:
+            params["device_ids"] = list(device_ids)
+
+        async def run(conn: AsyncConnection, now: datetime) -> list[Assignment]:
+            stmt = _prebuilt(
+                ("session_pending", on_devices), lambda: _session_pending_stmt(on_devices)
+            )
+            rows = (await conn.execute(stmt, {**params, "now": now})).all()
+            if not rows or not _session_ok(session, rows[0].session_generation, rows[0].revoked_at):
+                raise _unauthorized(session)
+            return [_assignment(r) for r in rows if r.id is not None]
+
+        return await self._tx("session_pending", run, single_read=True)
+
     async def _assignments(
         self, conn: AsyncConnection, *conds: sa.ColumnElement[bool], limit: int | None = None
     ) -> list[Assignment]:
@@ -2816,6 +2843,29 @@ def _pending_stmt(on_devices: bool) -> Any:
     if on_devices:
         conds.append(attempts.c.device_id == sa.any_(_arr_param("device_ids", sa.Text)))
     return _assignments_select(*conds).limit(sa.bindparam("lim", type_=sa.Integer))
+
+
+def _session_pending_stmt(on_devices: bool) -> Any:
+    """The host's session row with its pending assignments (``_pending_stmt``)
+    beside it: one row with NULL assignment columns when none is pending, no row
+    for an unknown host."""
+    p = _pending_stmt(on_devices).lateral("p")
+    return (
+        sa.select(
+            hosts.c.session_generation,
+            hosts.c.revoked_at,
+            p.c.id,
+            p.c.project,
+            p.c.number,
+            p.c.host_id.label("host_id"),
+            p.c.device_id,
+            p.c.lease_id,
+            p.c.claim_deadline,
+        )
+        .select_from(hosts.outerjoin(p, sa.true()))
+        .where(hosts.c.host_id == sa.bindparam("host_id", type_=sa.Text))
+        .order_by(p.c.claim_deadline)
+    )
 
 
 def _assignments_select(*conds: sa.ColumnElement[bool]) -> Any:

@@ -8,8 +8,8 @@ from datetime import timedelta
 
 import pytest
 
-from persistence.errors import Conflict, Gone
-from persistence.model import DeviceSnapshot, EndReason, Outcome, TaskState
+from persistence.errors import Conflict, Gone, Unauthorized
+from persistence.model import DeviceSnapshot, EndReason, Outcome, Session, TaskState
 from tests.integration.test_repository_support import World, world
 
 __all__ = ["world"]
@@ -205,6 +205,25 @@ async def test_pending_assignments_lists_only_unclaimed_unexpired_ones(world: Wo
     assert c.task_id not in {p.task_id for p in pending}
     world.clock.advance(30)
     assert await world.repo.pending_assignments("h1") == []
+
+
+async def test_session_pending_checks_the_session_in_the_same_read(world: World) -> None:
+    session = await world.host("h1", ["d1", "d2"])
+    idle = await world.host("h2", ["d3"])
+    a = await world.assigned(session)
+
+    assert [p.task_id for p in await world.repo.session_pending(session)] == [a.task_id]
+    assert await world.repo.session_pending(session, device_ids=["d9"]) == []
+    assert await world.repo.session_pending(idle) == []  # current, nothing pending
+    newer = await world.repo.register_session("h1", world.credentials["h1"])
+    with pytest.raises(Unauthorized):
+        await world.repo.session_pending(session)  # superseded
+    assert [p.task_id for p in await world.repo.session_pending(newer)] == [a.task_id]
+    await world.repo.revoke_host("h1")
+    with pytest.raises(Unauthorized):
+        await world.repo.session_pending(newer)
+    with pytest.raises(Unauthorized):
+        await world.repo.session_pending(Session(host_id="nobody", generation=1))
 
 
 # --- Requirement: Expired attempts follow bounded retry policy -------------------------
