@@ -1,7 +1,10 @@
 """The Lease actor: one per task in assigned, dispatched or running.
 
-Every host message about its task (claim, ack, renew, progress, result, cancel
-poll) and a user's cancel of it pass through it, one at a time. Each is written
+Every host message about its task that changes its state (claim, ack, progress,
+result) and a user's cancel of it pass through it, one at a time. Renewals and
+cancel polls go around it, straight to the renewal group commit (see
+``actors/runtime.py``); it is told of one (``Renewed``) when the answer carries a
+pending cancel. It still handles ``Renew`` and ``CancelPoll`` sent to it. Each is written
 through the repository first; only after the commit does the actor reply, emit
 an event and update its cache. A failed write is a typed error reply and the
 cache stays as it was.
@@ -34,6 +37,7 @@ from actors.messages import (
     Progress,
     Rebuild,
     Renew,
+    Renewed,
     ReportResult,
 )
 from persistence.model import Assignment, LeaseStatus, Outcome, TaskState
@@ -59,6 +63,7 @@ class LeaseActor(FleetActor):
         self.handle(Ack, self._ack)
         self.handle(Renew, self._renew)
         self.handle(CancelPoll, self._renew)
+        self.handle(Renewed, lambda m: self._after_status(None, m.status))
         self.handle(Progress, self._progress)
         self.handle(ReportResult, self._report_result)
         self.handle(Cancel, self._cancel)
@@ -190,8 +195,8 @@ class LeaseActor(FleetActor):
 
     # --- helpers ------------------------------------------------------------------------
     def _after_status(self, reply: Any, status: LeaseStatus) -> None:
-        assert reply is not None
-        reply.set_result(status)
+        if reply is not None:
+            reply.set_result(status)
         if status.attempt < self.attempt:
             return
         previous = self.state

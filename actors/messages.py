@@ -15,7 +15,7 @@ from typing import Any
 
 from actors.bridge import Reply
 from persistence.errors import Invalid
-from persistence.model import Assignment, Outcome, Session, User
+from persistence.model import Assignment, LeaseStatus, Outcome, Session, User
 
 
 def _check_int(value: object, name: str, *, minimum: int = 0) -> None:
@@ -97,6 +97,19 @@ class Renew(FencedRequest):
 @dataclass(frozen=True, kw_only=True)
 class CancelPoll(FencedRequest):
     pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Renewed(Message):
+    """A renewal of this actor's task committed with this answer (renewals go
+    around the actor; it is told only when the answer matters to it)."""
+
+    status: LeaseStatus
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.status, LeaseStatus):
+            raise Invalid("status must be a LeaseStatus", field="status")
 
 
 @dataclass(frozen=True, kw_only=True)

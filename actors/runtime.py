@@ -7,9 +7,9 @@ facade talks to actors only with ``tell`` plus a :class:`~actors.bridge.Reply`
 timeout (``ask_timeout_s``) after which the caller gets the retryable
 ``Unavailable``. A message for a dead actor is ``Unavailable`` too, never a hang.
 
-Routing of host messages about a task (claim, ack, renew, progress, result,
-cancel poll) and of a user's cancel of an in-flight task: through the task's
-Lease actor, one at a time. When there is none (restart, crash, or the task is
+Routing of host messages about a task (claim, ack, progress, result) and of a
+user's cancel of an in-flight task: through the task's Lease actor, one at a
+time. When there is none (restart, crash, or the task is
 not active), the facade looks the task up among the host's active attempts in
 the database: found, it starts a Lease actor from that row; not found, there is
 nothing to serialise with, and the repository answers directly (its fencing
@@ -17,6 +17,15 @@ gives the typed error: unknown task ``NotFound``, stale attempt ``Conflict``,
 terminal ``Gone``, or a replayed result with ``replayed=True``).
 
 Decisions documented here:
+
+* Renewals and cancel polls do not pass through the Lease actor: they go
+  straight to the ``RenewBatcher`` on the loop (written through, committed
+  before the reply, fenced by the repository like every message). A renewal
+  changes nothing the actor keeps but the deadline in its cache, and the two
+  cross-thread hops per renewal were most of its cost with thousands of
+  actors (0.95 -> 0.24 ms of control-plane CPU per renewal in ``fleetlease
+  bench``). The actor is told (``Renewed``) when an answer does say something
+  it must act on: a pending cancel.
 
 * ``cancel_poll`` is a fenced renewal: it extends the lease exactly like
   ``renew`` and returns the current ``cancel_requested``. A host polling for a
@@ -61,6 +70,7 @@ from actors.messages import (
     Message,
     Progress,
     Renew,
+    Renewed,
     ReportResult,
 )
 from actors.supervisor import Supervisor
@@ -88,7 +98,7 @@ from persistence.model import (
     TaskState,
     User,
 )
-from persistence.repository import Repository
+from persistence.repository import Renewal, Repository
 
 log = structlog.get_logger("fleetlease.runtime")
 
@@ -405,10 +415,32 @@ class ControlPlane:
     async def renew(
         self, session: Session, task_id: str, attempt: int, lease_token: str
     ) -> LeaseStatus:
-        return await self._via_lease(
-            Renew(session=session, task_id=task_id, attempt=attempt, lease_token=lease_token),
-            lambda: self.repo.renew(session, task_id, attempt, lease_token),
+        """Extend the lease (see the module doc: not through the Lease actor)."""
+        return await self._renew(
+            Renew(session=session, task_id=task_id, attempt=attempt, lease_token=lease_token)
         )
+
+    async def _renew(self, msg: Renew | CancelPoll) -> LeaseStatus:
+        msg.validate()
+        renewal = Renewal(
+            session=msg.session,
+            task_id=msg.task_id,
+            attempt=msg.attempt,
+            lease_token=msg.lease_token,
+        )
+        async with self._request():
+            batcher = self._batcher
+            status: LeaseStatus = await self._bounded(
+                batcher.renew(renewal)
+                if batcher is not None
+                else self.repo.renew(msg.session, msg.task_id, msg.attempt, msg.lease_token)
+            )
+        if status.cancel_requested:
+            ref = self.supervisor.lease_for(msg.task_id)
+            if ref is not None:
+                with contextlib.suppress(ActorDeadError):
+                    ref.tell(Renewed(status=status))
+        return status
 
     async def progress(
         self, session: Session, task_id: str, attempt: int, lease_token: str, seq: int
@@ -474,9 +506,8 @@ class ControlPlane:
         self, session: Session, task_id: str, attempt: int, lease_token: str
     ) -> LeaseStatus:
         """A fenced renewal (extends the lease) that reports ``cancel_requested``."""
-        return await self._via_lease(
-            CancelPoll(session=session, task_id=task_id, attempt=attempt, lease_token=lease_token),
-            lambda: self.repo.renew(session, task_id, attempt, lease_token),
+        return await self._renew(
+            CancelPoll(session=session, task_id=task_id, attempt=attempt, lease_token=lease_token)
         )
 
     # --- user-facing ----------------------------------------------------------------------------
@@ -518,7 +549,7 @@ class ControlPlane:
     # --- plumbing ------------------------------------------------------------------------------
     async def _via_lease(self, msg: Message, direct: Callable[[], Coroutine[Any, Any, T]]) -> T:
         msg.validate()
-        assert isinstance(msg, Claim | Ack | Renew | Progress | ReportResult | CancelPoll)
+        assert isinstance(msg, Claim | Ack | Progress | ReportResult)
         async with self._request():
             sup = self.supervisor
             for attempt in range(_REDELIVERIES + 1):

@@ -118,6 +118,10 @@ class SimHost:
     async def renew(self, c: Claimed) -> LeaseStatus:
         return await self.cp.renew(self.s, c.task_id, c.attempt, c.lease_token)
 
+    async def progress(self, c: Claimed, seq: int = 1) -> LeaseStatus:
+        """A progress report: renews too, and passes through the Lease actor."""
+        return await self.cp.progress(self.s, c.task_id, c.attempt, c.lease_token, seq)
+
     async def report(
         self,
         c: Claimed,

@@ -270,6 +270,30 @@ async def test_a_cancel_in_flight_surfaces_on_renew_and_the_host_reports_cancell
     assert await task_state(engine, task_id) == "cancelled"
 
 
+async def test_renewals_go_around_a_busy_lease_actor_and_are_still_fenced(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine
+) -> None:
+    """A renewal is written through by the renewal group commit, not by the
+    task's Lease actor: it completes while the actor is parked mid-message."""
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec())
+    claimed = await _running(host, engine, task_id)
+    gate = threading.Event()
+    failpoints.arm(failpoints.LEASE_BEFORE_COMMIT, pause=gate, count=1)
+    try:
+        parked = asyncio.create_task(host.progress(claimed, 1))
+        await wait_until(lambda: failpoints.paused(failpoints.LEASE_BEFORE_COMMIT) == 1)
+
+        renewed = await asyncio.wait_for(host.renew(claimed), 30)
+        assert renewed.state is TaskState.RUNNING and renewed.attempt == 1
+        with pytest.raises(Conflict):
+            await cp.renew(host.s, task_id, 1, "wrong-token")
+        assert not parked.done()
+    finally:
+        gate.set()
+    assert (await parked).state is TaskState.RUNNING
+
+
 async def test_a_cancel_of_a_queued_task_is_immediate(
     cp: ControlPlane, engine: AsyncEngine
 ) -> None:
@@ -545,13 +569,13 @@ async def test_messages_queued_for_a_crashed_lease_actor_go_to_its_replacement(
     claimed = await _running(host, engine, task_id)
     gate = threading.Event()
     failpoints.arm(failpoints.LEASE_BEFORE_COMMIT, pause=gate, count=1)
-    first = asyncio.create_task(host.renew(claimed))
+    first = asyncio.create_task(host.progress(claimed, 1))
     await wait_until(lambda: failpoints.paused(failpoints.LEASE_BEFORE_COMMIT) == 1)
     lease = cp.lease_actor(task_id)
     assert lease is not None
     lease.tell(Crash())
-    queued = asyncio.create_task(host.renew(claimed))  # behind the crash in the inbox
-    await wait_until(lambda: cp.metrics["inflight"] == 2, what="both renewals sent")
+    queued = asyncio.create_task(host.progress(claimed, 2))  # behind the crash in the inbox
+    await wait_until(lambda: cp.metrics["inflight"] == 2, what="both reports sent")
     gate.set()
     assert (await first).state is TaskState.RUNNING
     # Never handled by the dead actor, so re-sent as is to the new one: no hang,
@@ -645,19 +669,22 @@ async def test_the_loop_stays_responsive_while_a_thousand_lease_asks_are_in_flig
         leases = [x for xs in await asyncio.gather(*(take_all(h) for h in hosts)) for x in xs]
         assert len(leases) == 100
 
-        # 1000 asks: ten renewals for each of the 100 Lease actors. The first one
-        # of each is parked inside its actor (before its commit), the other nine
-        # wait in that actor's inbox.
+        # 1000 asks: ten progress reports for each of the 100 Lease actors. The
+        # first one of each is parked inside its actor (before its commit), the
+        # other nine wait in that actor's inbox.
         gate = threading.Event()
         failpoints.arm(failpoints.LEASE_BEFORE_COMMIT, pause=gate)
-        renewals = [asyncio.create_task(h.renew(c)) for h, c in leases * 10]
+        renewals = [
+            asyncio.create_task(h.progress(c, i // len(leases) + 1))
+            for i, (h, c) in enumerate(leases * 10)
+        ]
         await wait_until(
             lambda: (
                 failpoints.paused(failpoints.LEASE_BEFORE_COMMIT) == 100
                 and cp.metrics["inflight"] == 1000
             ),
             timeout=60,
-            what="1000 renewals in flight",
+            what="1000 reports in flight",
         )
         # Heartbeats (real transactions) and small coroutines on the same loop
         # still complete while all of them are in flight.

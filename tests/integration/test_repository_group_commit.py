@@ -5,10 +5,13 @@ and a refused one changes nothing, on a real PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
-from actors.groupcommit import TransitionBatcher
+from actors.groupcommit import RenewBatcher, TransitionBatcher
 from persistence.errors import Conflict, Gone, NotFound, Unauthorized
-from persistence.model import Outcome, Session, TaskState
+from persistence.model import LeaseStatus, Outcome, Session, TaskState
+from persistence.repository import Renewal
 from tests.integration.test_repository_support import World, world
 
 __all__ = ["world"]
@@ -151,3 +154,39 @@ async def test_concurrent_transitions_through_the_batcher_share_commits(world: W
     assert await world.reservations() == []
     rows = await world.rows("SELECT state FROM devices WHERE host_id = 'h1'")
     assert {r["state"] for r in rows} == {"idle"}
+
+
+async def test_renewals_arriving_while_the_batcher_lingers_share_one_commit(world: World) -> None:
+    h1 = await world.host("h1", ["d0", "d1", "d2", "d3"])
+    running = [await world.running(h1) for _ in range(4)]
+    batcher = RenewBatcher(world.repo, linger_s=30.0)
+
+    def renew(c: Any) -> asyncio.Future[LeaseStatus]:
+        return asyncio.ensure_future(
+            batcher.renew(
+                Renewal(session=h1, task_id=c.task_id, attempt=c.attempt, lease_token=c.lease_token)
+            )
+        )
+
+    first = renew(running[0])
+    await _until(lambda: batcher._lingering)
+    # The others arrive one by one while the first waits for company; a full batch
+    # (max_batch) would not wait, so shrink it to exactly these four.
+    batcher.max_batch = 4
+    later = []
+    for c in running[1:]:
+        later.append(renew(c))
+        await asyncio.sleep(0)
+    statuses = await asyncio.wait_for(asyncio.gather(first, *later), 30)
+    await batcher.close()
+
+    assert [s.state for s in statuses] == [TaskState.RUNNING] * 4
+    assert (batcher.batches, batcher.items) == (1, 4)
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.001)
