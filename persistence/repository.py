@@ -1580,8 +1580,8 @@ class Repository:
         # The device is free again, and the host said so by reporting: a "busy" it
         # reported while the attempt ran turns idle in the same statement, so the
         # next assignment need not wait for the host's next heartbeat. (An expiry
-        # leaves it busy: a host that went silent keeps its devices out of use
-        # until it reports again or is no longer live.)
+        # makes it busy, see _apply_endings: a host that went silent keeps its
+        # devices out of use until it reports again or is no longer live.)
         if batch is not None:
             batch.free.append(tid)
         else:
@@ -1794,6 +1794,21 @@ class Repository:
                 device_reservations.c.task_id == sa.any_(_arr([e.task_id for e in endings], UUIDT))
             )
         )
+        # A host that claimed the device and then fell silent (or lost the
+        # attempt) may still be running on it: the device stays out of use, as
+        # "busy", until its host reports it again (its next heartbeat). Hosts do
+        # not report their own leases' busy/idle flips; the reservation covered it
+        # until now.
+        held = sorted({(e.host_id, e.device_id) for e in endings if e.old_state in _LEASED})
+        if held:
+            await conn.execute(
+                _prebuilt("hold_devices", _hold_devices_stmt),
+                {
+                    "r_host_id": [h for h, _ in held],
+                    "r_device_id": [d for _, d in held],
+                    "now": now,
+                },
+            )
 
     async def next_deadline(self) -> datetime | None:
         """The earliest claim/ack/lease deadline of any active attempt, or the
@@ -2802,6 +2817,25 @@ def _update_pair_stmt(
         )
         .values(_set_values(attempts, "a_", attempt_keys))
         .returning(attempts.c.number)
+    )
+
+
+def _hold_devices_stmt() -> Any:
+    """Idle devices named by (host, device) turn busy, rows locked in (host,
+    device) order as every statement that locks several device rows does."""
+    r = _unnest_params("r", host_id=sa.Text, device_id=sa.Text)
+    locked = (
+        sa.select(devices.c.host_id, devices.c.device_id)
+        .join(r, sa.and_(devices.c.host_id == r.c.host_id, devices.c.device_id == r.c.device_id))
+        .where(devices.c.state == "idle")
+        .order_by(devices.c.host_id, devices.c.device_id)
+        .with_for_update(of=devices)
+        .cte("locked")
+    )
+    return (
+        devices.update()
+        .where(devices.c.host_id == locked.c.host_id, devices.c.device_id == locked.c.device_id)
+        .values(state="busy", updated_at=sa.bindparam("now", type_=devices.c.updated_at.type))
     )
 
 

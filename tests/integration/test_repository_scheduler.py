@@ -252,6 +252,30 @@ async def test_lease_expires_with_attempts_remaining_returns_task_to_queued(
     assert (attempt["host_id"], attempt["device_id"]) == ("h1", "d1")
 
 
+async def test_an_expired_lease_keeps_its_device_out_of_use_until_the_host_reports_again(
+    world: World,
+) -> None:
+    """Hosts do not report their own leases' busy/idle flips (the reservation
+    covers them); after an expiry the host may still be running on the device,
+    so it stays out of use until the host's next report."""
+    session = await world.host("h1", ["d1"])
+    c = await world.running(session, base=0)
+    world.clock.advance(20)
+    # Still live; its last report of d1 said idle (as before it started on it).
+    await world.beat(session, "d1", DeviceSnapshot(device_id="d2", state="busy"))
+    world.clock.advance(10)
+
+    (e,) = await world.repo.expire_due()
+
+    assert (e.task_id, e.new_state) == (c.task_id, TaskState.QUEUED)
+    rows = await world.rows("SELECT state FROM devices WHERE device_id = 'd1'")
+    assert [r["state"] for r in rows] == ["busy"]
+    assert await world.repo.assign() == []
+    await world.beat(session, "d1", DeviceSnapshot(device_id="d2", state="busy"))
+    (again,) = await world.repo.assign()
+    assert (again.task_id, again.attempt, again.device_id) == (c.task_id, 2, "d1")
+
+
 async def test_lease_expires_at_attempt_limit_and_task_fails_with_lease_expiry_reason(
     world: World,
 ) -> None:

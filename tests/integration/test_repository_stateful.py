@@ -213,6 +213,14 @@ class RepositoryMachine(RuleBasedStateMachine):
         return result
 
     # --- model transitions -------------------------------------------------------------
+    def _hold_device(self, t: MTask) -> None:
+        """An expired or lost leased attempt: its idle device turns busy until the
+        host reports again (the host may still be running on it)."""
+        if t.state in LEASED:
+            devices = self.hosts[t.current.host].devices
+            if devices.get(t.current.device) == "idle":
+                devices[t.current.device] = "busy"
+
     def _end(self, t: MTask, reason: str) -> str:
         """End the current attempt without success: the model of _after_failure."""
         t.current.end_reason = reason
@@ -468,7 +476,7 @@ class RepositoryMachine(RuleBasedStateMachine):
             return
         t.result_attempt, t.fingerprint = lease.attempt, fingerprint
         # The report frees the device: a "busy" its host reported while the
-        # attempt ran turns idle with it (an expiry leaves it busy).
+        # attempt ran turns idle with it (an expiry makes it busy).
         devices = self.hosts[a.host].devices
         if devices.get(a.device) == "busy":
             devices[a.device] = "idle"
@@ -562,6 +570,7 @@ class RepositoryMachine(RuleBasedStateMachine):
         lost = set()
         for t in self.tasks.values():
             if t.state in LEASED and t.current.host == host and t.id not in confirmed:
+                self._hold_device(t)
                 if t.id in expired:
                     self._end(t, "lease_expired" if t.state == "running" else "ack_expired")
                 else:
@@ -584,6 +593,7 @@ class RepositoryMachine(RuleBasedStateMachine):
         for task_id, t in due.items():
             assert got[task_id].reason.value == reasons[t.state]
             assert got[task_id].attempt == t.attempt
+            self._hold_device(t)
             assert got[task_id].new_state.value == self._end(t, reasons[t.state])
 
     @precondition(lambda self: self.tasks)
