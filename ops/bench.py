@@ -658,10 +658,12 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
 
             _say(opts, f"throughput: {opts.tasks} tasks")
             cpu0 = serve.cpu_s()
+            agents_cpu0 = time.process_time()  # this process: the agents, mostly
             t0 = time.time()
             ids = await _submit(ops, opts.tasks)
             await _until_all(lambda: events.reached(ids, "done"), len(ids), "tasks done")
             cpu = serve.cpu_s() - cpu0
+            agents_cpu = time.process_time() - agents_cpu0
             last = max(events.at[t]["done"] for t in ids)
             tps = len(ids) / max(last - t0, 1e-9)
             saturated = _latencies(ids, events, held_at)
@@ -697,6 +699,9 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             "tasks": len(ids),
             "tasks_per_s": round(tps, 1),
             "cpu_s_per_task": round(cpu / len(ids), 6),
+            # CPU of the benchmark process (the in-process agents, plus the
+            # submitting user client and the event subscriber) per task.
+            "agents_cpu_s_per_task": round(agents_cpu / len(ids), 6),
             "control_plane_cpu_cores": round(cpu / max(last - t0, 1e-9), 3),
             "commits_per_task": round(commits / total, 3),
             "commits_counted_over_tasks": total,
