@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from persistence.clock import ManualClock
+from persistence.model import Outcome
 from transport.auth import (
     AuthError,
     ServerSecret,
@@ -22,7 +23,18 @@ from transport.auth import (
     sign,
 )
 from transport.subjects import Subjects
-from transport.wire import Ack, Envelope, Renew, decode, encode_body
+from transport.wire import (
+    Ack,
+    ArtifactChunk,
+    Envelope,
+    Heartbeat,
+    Message,
+    Renew,
+    Result,
+    decode,
+    encode_body,
+    encode_envelope,
+)
 
 SECRET = b"\x01" * 32
 TASK = "0b4f6c1e-2a5d-4d0e-9a43-1f0c2b7e9d11"
@@ -273,3 +285,53 @@ def test_signer_validates_its_arguments() -> None:
         Signer("h1", 1, b"k")
     with pytest.raises(ValueError, match="generation"):
         Signer("h1", True, b"k" * 32)
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        ACK,
+        Renew(task_id=TASK, attempt=7, lease_token="r" * 43),
+        Result(
+            task_id=TASK,
+            attempt=2,
+            lease_token="t" * 43,
+            outcome=Outcome.FAILED,
+            retryable=True,
+            reason="ünïcode",
+            result={"big": "x" * 70_000},  # a bin32 body
+            fingerprint="f" * 64,
+        ),
+        ArtifactChunk(task_id=TASK, attempt=1, name="a", offset=0, data=b"\0" * 300),  # bin16
+        Heartbeat(devices=[]),
+    ],
+)
+@pytest.mark.parametrize("clocked", [True, False])
+def test_seal_is_exactly_the_envelope_of_sign(msg: Message, clocked: bool) -> None:
+    """Signer.seal assembles the envelope from cached pieces: its bytes must be
+    those of encode_envelope around sign()'s signature, whatever the body size,
+    with the system clock and with an injected one, on every call."""
+    key = session_key(SECRET, "h-7", 123_456)
+    signer = Signer("h-7", 123_456, key, clock=ManualClock() if clocked else None)
+    for subject in (S.ack("h-7"), S.result("h-7"), S.ack("h-7")):
+        data = signer.seal(subject, msg)
+        env = decode(data)
+        auth = env.auth
+        assert auth is not None
+        body = encode_body(msg)
+        assert env.body == body and env.msg == msg
+        assert auth.host_id == "h-7" and auth.generation == 123_456
+        assert auth.signature == sign(key, subject, body, auth.ts_ms, auth.nonce, msg_type=msg.TYPE)
+        assert data == encode_envelope(msg.TYPE, body, auth)
+        Verifier(SECRET, ManualClock(), window_s=1e9).verify_envelope(subject, env, 123_456)
+
+
+def test_auth_signs_the_same_bytes_as_sign(clock: ManualClock) -> None:
+    key = session_key(SECRET, "h1", 4)
+    signer = Signer("h1", 4, key, clock=clock)
+    auth = signer.auth(S.renew("h1"), "renew", b"body")
+    assert auth.ts_ms == int(clock.now().timestamp() * 1000)
+    assert auth.signature == sign(
+        key, S.renew("h1"), b"body", auth.ts_ms, auth.nonce, msg_type="renew"
+    )
+    assert signer.auth(S.renew("h1"), "renew", b"body").nonce != auth.nonce
