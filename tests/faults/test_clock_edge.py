@@ -46,6 +46,9 @@ async def running_attempt(repo: Repository, session: Session) -> tuple[str, int,
             )
         ]
     )
+    # The host reports its device idle again (after an expiry it stays busy
+    # until the host says otherwise).
+    await repo.heartbeat(session, [DeviceSnapshot(device_id="d0")])
     [a] = await repo.assign()
     claimed = await repo.claim(session, task_id, a.attempt)
     status = await repo.ack(session, task_id, claimed.attempt, claimed.lease_token)
