@@ -1501,9 +1501,11 @@ class Agent:
         rec = att.record
         journal = self._journal_or_fail()
         reason = outcome.reason[:_MAX_REASON]
+        # Recorded and read back in one executor call (the stored entry holds
+        # the first recorded result, should there have been one already).
         try:
-            fingerprint = await asyncio.to_thread(
-                journal.record_result,
+            stored = await asyncio.to_thread(
+                journal.finish,
                 rec.task_id,
                 rec.attempt,
                 outcome.outcome,
@@ -1514,8 +1516,8 @@ class Agent:
         except ValueError:
             outcome = RunOutcome.failed("runner returned a result that is not JSON data")
             reason = outcome.reason
-            fingerprint = await asyncio.to_thread(
-                journal.record_result,
+            stored = await asyncio.to_thread(
+                journal.finish,
                 rec.task_id,
                 rec.attempt,
                 outcome.outcome,
@@ -1523,9 +1525,6 @@ class Agent:
                 reason,
                 outcome.result,
             )
-        stored = await asyncio.to_thread(journal.get, rec.task_id, rec.attempt)
-        if stored is None:  # cannot happen: the entry is only removed by us
-            raise AgentError(f"journal entry of {rec.task_id} attempt {rec.attempt} vanished")
         att.record = stored
         att.reporting = True
         log.info(
@@ -1534,7 +1533,7 @@ class Agent:
             attempt=rec.attempt,
             outcome=str(stored.outcome),
             retryable=stored.retryable,
-            fingerprint=fingerprint,
+            fingerprint=stored.fingerprint,
         )
         self._failpoint(FAILPOINT_AFTER_RESULT_RECORDED, task_id=rec.task_id, attempt=rec.attempt)
 

@@ -525,6 +525,40 @@ class Journal:
         always byte-identical. Raises ``UnknownEntry`` if there is no such
         entry and ``ValueError`` if ``result`` is not plain JSON data.
         """
+        fingerprint, _ = self._record_result(
+            task_id, attempt, outcome, retryable, reason, result, read_back=False
+        )
+        return fingerprint
+
+    def finish(
+        self,
+        task_id: str,
+        attempt: int,
+        outcome: Outcome,
+        retryable: bool,
+        reason: str,
+        result: Mapping[str, Any],
+    ) -> JournalRecord:
+        """:meth:`record_result`, then the entry as stored (the first recorded
+        result, if there was one already), read in the same transaction: one
+        call, so one trip to the agent's executor instead of two."""
+        _, stored = self._record_result(
+            task_id, attempt, outcome, retryable, reason, result, read_back=True
+        )
+        assert stored is not None
+        return stored
+
+    def _record_result(
+        self,
+        task_id: str,
+        attempt: int,
+        outcome: Outcome,
+        retryable: bool,
+        reason: str,
+        result: Mapping[str, Any],
+        *,
+        read_back: bool,
+    ) -> tuple[str, JournalRecord | None]:
         outcome = Outcome(outcome)
         # Round-trip through JSON so what is stored, what is fingerprinted and
         # what a reopened journal returns are the same value (tuples -> lists).
@@ -537,6 +571,7 @@ class Journal:
             reason=reason,
             result=plain,
         )
+        stored: JournalRecord | None = None
         with self._transaction() as conn:
             row = conn.execute(
                 "SELECT fingerprint FROM entries WHERE task_id = ? AND attempt = ?",
@@ -564,6 +599,13 @@ class Journal:
                 )
                 existing = fingerprint
                 replayed = False
+            if read_back:
+                stored = _from_row(
+                    conn.execute(
+                        f"SELECT {_COLUMNS} FROM entries WHERE task_id = ? AND attempt = ?",
+                        (task_id, attempt),
+                    ).fetchone()
+                )
         log.debug(
             "journal_result_recorded",
             task_id=task_id,
@@ -572,7 +614,7 @@ class Journal:
             fingerprint=existing,
             replayed=replayed,
         )
-        return existing
+        return existing, stored
 
     def remove(self, task_id: str, attempt: int) -> bool:
         """Delete the entry; returns whether one existed. Idempotent."""

@@ -167,6 +167,48 @@ def test_record_result_rejects_a_result_that_is_not_json(journal: Journal) -> No
     assert got is not None and got.state is EntryState.ACCEPTED
 
 
+def test_finish_records_the_result_and_returns_the_stored_entry(path: Path) -> None:
+    with Journal(path) as journal:
+        journal.add(record())
+        journal.mark_running("task-1", 1)
+
+        stored = journal.finish("task-1", 1, Outcome.FAILED, True, "flaky", {"n": (1, 2)})
+
+        assert stored == journal.get("task-1", 1)
+        assert stored.state is EntryState.FINISHED
+        assert (stored.outcome, stored.retryable, stored.reason, stored.result) == (
+            Outcome.FAILED,
+            True,
+            "flaky",
+            {"n": [1, 2]},
+        )
+        assert stored.fingerprint == result_fingerprint(
+            task_id="task-1",
+            attempt=1,
+            outcome=Outcome.FAILED,
+            retryable=True,
+            reason="flaky",
+            result={"n": [1, 2]},
+        )
+        # The first recorded result wins, and is what finish returns.
+        again = journal.finish("task-1", 1, Outcome.DONE, False, "", {"other": 1})
+        assert again == stored
+        assert journal.record_result("task-1", 1, Outcome.DONE, False, "", {}) == stored.fingerprint
+    # Committed: a reopened journal reads the same entry.
+    with Journal(path) as reopened:
+        assert reopened.get("task-1", 1) == stored
+
+
+def test_finish_of_an_unknown_entry_or_a_result_that_is_not_json_raises(journal: Journal) -> None:
+    with pytest.raises(UnknownEntry):
+        journal.finish("nope", 1, Outcome.DONE, False, "", {})
+    journal.add(record())
+    with pytest.raises(ValueError):
+        journal.finish("task-1", 1, Outcome.DONE, False, "", {"x": object()})
+    got = journal.get("task-1", 1)
+    assert got is not None and got.state is EntryState.ACCEPTED
+
+
 def test_fingerprint_is_stable_and_independent_of_key_order() -> None:
     common: dict[str, Any] = {
         "task_id": "t",
