@@ -1073,8 +1073,11 @@ class Agent:
             try:
                 if timeout_s is None:
                     return await fn(client)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for runs the
+                # request in a task of its own, a task per request for nothing.
                 try:
-                    return await asyncio.wait_for(fn(client), timeout_s)
+                    async with asyncio.timeout(timeout_s):
+                        return await fn(client)
                 except TimeoutError:
                     raise RemoteError("unavailable", "no reply within the timeout") from None
             except RemoteError as exc:
