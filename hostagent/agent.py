@@ -642,9 +642,14 @@ class Agent:
         handler installed with ``loop.add_signal_handler``."""
         loop = self._loop
         if loop is None or threading.get_ident() == self._loop_thread:
-            self._stopping.set()
+            self._set_stopping()
         else:
-            loop.call_soon_threadsafe(self._stopping.set)
+            loop.call_soon_threadsafe(self._set_stopping)
+
+    def _set_stopping(self) -> None:
+        self._stopping.set()
+        # The claim dispatcher waits for _wake alone (one event: no waiter tasks).
+        self._wake.set()
 
     async def run(self) -> None:
         """Run until stopped. Raises ``RegistrationRefused`` if the control plane
@@ -784,11 +789,21 @@ class Agent:
 
     async def _sleep(self, delay: float, *events: asyncio.Event) -> bool:
         """Sleep ``delay`` seconds; returns True early if any event is set."""
-        if any(e.is_set() for e in events):
-            return True
+        for e in events:
+            if e.is_set():
+                return True
         if not events:
             await asyncio.sleep(delay)
             return False
+        if len(events) == 1:
+            # The common case (a renewal loop, a backoff): wait in this task,
+            # no waiter task to create and cancel.
+            try:
+                async with asyncio.timeout(max(delay, 0.0)):
+                    await events[0].wait()
+            except TimeoutError:
+                return events[0].is_set()
+            return True
         waiters = [asyncio.ensure_future(e.wait()) for e in events]
         try:
             done, _ = await asyncio.wait(
@@ -1141,7 +1156,7 @@ class Agent:
                     poll = asyncio.ensure_future(self._poll(devices))
                     self._polls.add(poll)
                     poll.add_done_callback(self._polls.discard)
-                await self._sleep(3600.0, self._wake, self._stopping)
+                await self._sleep(3600.0, self._wake)  # a stop sets it too
         finally:
             for poll in list(self._polls):
                 poll.cancel()
