@@ -218,6 +218,8 @@ _INSERT_COLUMNS = (
 )
 # A NULL counter (written by hand, or by a tool that did not know it) reads as 0.
 _COLUMNS = _INSERT_COLUMNS.replace("resumes", "COALESCE(resumes, 0)")
+#: Index of ``fingerprint`` in a row of ``_COLUMNS``.
+_FINGERPRINT_COLUMN = _INSERT_COLUMNS.split(", ").index("fingerprint")
 
 
 def _from_row(row: tuple[Any, ...]) -> JournalRecord:
@@ -406,6 +408,28 @@ class Journal:
                 raise JournalError(f"journal write failed: {exc}", path=str(self._path)) from exc
 
     @contextmanager
+    def _statement(self) -> Iterator[sqlite3.Connection]:
+        """For a write that is one statement: run in autocommit mode, SQLite
+        makes the statement a transaction of its own, committed (and, with
+        ``synchronous=FULL``, on disk) when ``execute`` returns, exactly as an
+        explicit BEGIN ... COMMIT around it, in one call into SQLite instead of
+        three (each releases and retakes the GIL the event loop is waiting for)."""
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                raise JournalError("journal is closed", path=str(self._path))
+            if conn.in_transaction:
+                # Never the case (every transaction ends in COMMIT or ROLLBACK);
+                # a write inside a left-open one would not be committed.
+                raise JournalError(
+                    "journal write failed: a transaction is open", path=str(self._path)
+                )
+            try:
+                yield conn
+            except sqlite3.Error as exc:
+                raise JournalError(f"journal write failed: {exc}", path=str(self._path)) from exc
+
+    @contextmanager
     def _reading(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
             conn = self._conn
@@ -423,7 +447,7 @@ class Journal:
         entry exists already it is left unchanged and ``False`` is returned."""
         payload = canonical_json(record.payload)
         result = canonical_json(record.result)
-        with self._transaction() as conn:
+        with self._statement() as conn:
             cur = conn.execute(
                 f"INSERT OR IGNORE INTO entries ({_INSERT_COLUMNS}) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -477,7 +501,7 @@ class Journal:
         """Move an ``accepted`` entry to ``running``. Returns whether it moved;
         an entry already running or finished is left as it is. Raises
         ``UnknownEntry`` if there is no such entry."""
-        with self._transaction() as conn:
+        with self._statement() as conn:
             cur = conn.execute(
                 "UPDATE entries SET state = ? WHERE task_id = ? AND attempt = ? AND state = ?",
                 (str(EntryState.RUNNING), task_id, attempt, str(EntryState.ACCEPTED)),
@@ -572,40 +596,35 @@ class Journal:
             result=plain,
         )
         stored: JournalRecord | None = None
-        with self._transaction() as conn:
-            row = conn.execute(
-                "SELECT fingerprint FROM entries WHERE task_id = ? AND attempt = ?",
-                (task_id, attempt),
-            ).fetchone()
-            if row is None:
-                raise UnknownEntry(task_id, attempt)
-            if row[0] is not None:
-                existing: str = row[0]
-                replayed = True
-            else:
-                conn.execute(
-                    "UPDATE entries SET state = ?, outcome = ?, retryable = ?, reason = ?, "
-                    "result = ?, fingerprint = ? WHERE task_id = ? AND attempt = ?",
-                    (
-                        str(EntryState.FINISHED),
-                        str(outcome),
-                        int(bool(retryable)),
-                        reason,
-                        canonical_json(plain),
-                        fingerprint,
-                        task_id,
-                        attempt,
-                    ),
-                )
-                existing = fingerprint
-                replayed = False
-            if read_back:
-                stored = _from_row(
-                    conn.execute(
-                        f"SELECT {_COLUMNS} FROM entries WHERE task_id = ? AND attempt = ?",
-                        (task_id, attempt),
-                    ).fetchone()
-                )
+        with self._statement() as conn:
+            # One statement: the first recorded result wins (a finished entry
+            # has its fingerprint and is left as it is).
+            cur = conn.execute(
+                "UPDATE entries SET state = ?, outcome = ?, retryable = ?, reason = ?, "
+                "result = ?, fingerprint = ? "
+                "WHERE task_id = ? AND attempt = ? AND fingerprint IS NULL",
+                (
+                    str(EntryState.FINISHED),
+                    str(outcome),
+                    int(bool(retryable)),
+                    reason,
+                    canonical_json(plain),
+                    fingerprint,
+                    task_id,
+                    attempt,
+                ),
+            )
+            replayed = cur.rowcount == 0
+            existing = fingerprint
+            if replayed or read_back:
+                row = conn.execute(
+                    f"SELECT {_COLUMNS} FROM entries WHERE task_id = ? AND attempt = ?",
+                    (task_id, attempt),
+                ).fetchone()
+                if row is None:
+                    raise UnknownEntry(task_id, attempt)
+                stored = _from_row(row) if read_back else None
+                existing = row[_FINGERPRINT_COLUMN]
         log.debug(
             "journal_result_recorded",
             task_id=task_id,
@@ -618,7 +637,7 @@ class Journal:
 
     def remove(self, task_id: str, attempt: int) -> bool:
         """Delete the entry; returns whether one existed. Idempotent."""
-        with self._transaction() as conn:
+        with self._statement() as conn:
             cur = conn.execute(
                 "DELETE FROM entries WHERE task_id = ? AND attempt = ?", (task_id, attempt)
             )

@@ -545,3 +545,28 @@ def test_an_unusable_path_raises_a_journal_error_and_moves_nothing(tmp_path: Pat
         Journal(tmp_path / "journal.sqlite3")
 
     assert _corrupt_siblings(tmp_path / "journal.sqlite3") == []
+
+
+def test_every_write_is_committed_when_it_returns(path: Path) -> None:
+    """Single-statement writes run in autocommit mode: each is its own committed
+    transaction, visible to another connection at once, none left open."""
+    import sqlite3
+
+    def seen() -> list[tuple[Any, ...]]:
+        other = sqlite3.connect(path)
+        try:
+            return other.execute("SELECT task_id, state, fingerprint FROM entries").fetchall()
+        finally:
+            other.close()
+
+    with Journal(path) as journal:
+        journal.add(record())
+        assert seen() == [("task-1", "accepted", None)]
+        journal.mark_running("task-1", 1)
+        assert seen() == [("task-1", "running", None)]
+        stored = journal.finish("task-1", 1, Outcome.DONE, False, "", {})
+        assert seen() == [("task-1", "finished", stored.fingerprint)]
+        journal.remove("task-1", 1)
+        assert seen() == []
+        conn = journal._conn
+        assert conn is not None and not conn.in_transaction
