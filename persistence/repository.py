@@ -1713,7 +1713,7 @@ class Repository:
             endings = [
                 self._ending(r, now, _EXPIRY_REASON[r["status"]], "lease_expired") for r in rows
             ]
-            await self._apply_endings(conn, now, endings)
+            await self._apply_endings(conn, now, endings, hold_devices=True)
             if endings:
                 log.info("attempts.expired", count=len(endings))
             return [e.expired() for e in endings]
@@ -1742,9 +1742,11 @@ class Repository:
         endings: Sequence[_Ending],
         *,
         reconcile_outcome: str | None = None,
+        hold_devices: bool = False,
     ) -> None:
         """End a batch of locked active attempts: task state (compare-and-set on the
-        old state and attempt), attempt end, reservation release: three statements."""
+        old state and attempt), attempt end, reservation release: three statements.
+        ``hold_devices`` (expiries): see below."""
         if not endings:
             return
         TS = sa.DateTime(timezone=True)
@@ -1794,13 +1796,13 @@ class Repository:
                 device_reservations.c.task_id == sa.any_(_arr([e.task_id for e in endings], UUIDT))
             )
         )
-        # A host that claimed the device and then fell silent (or lost the
-        # attempt) may still be running on it: the device stays out of use, as
-        # "busy", until its host reports it again (its next heartbeat). Hosts do
-        # not report their own leases' busy/idle flips; the reservation covered it
-        # until now.
+        # An expiry: a host that claimed the device and then fell silent may
+        # still be running on it, so the device stays out of use, as "busy", until
+        # its host reports it again (its next heartbeat). Hosts do not report their
+        # own leases' busy/idle flips; the reservation covered it until now. (A
+        # reconcile is the host's own report that it no longer holds the attempt.)
         held = sorted({(e.host_id, e.device_id) for e in endings if e.old_state in _LEASED})
-        if held:
+        if hold_devices and held:
             await conn.execute(
                 _prebuilt("hold_devices", _hold_devices_stmt),
                 {

@@ -222,6 +222,7 @@ async def test_an_expired_lease_goes_to_retrying_and_its_renewal_is_refused(
     await _state_is(engine, task_id, "retrying")
     with pytest.raises((Conflict, Gone)):
         await host.renew(claimed)
+    await host.heartbeat()  # its device, busy since the expiry, is idle again
 
     clock.advance(11)
     cp.poke_reaper()  # the retry became eligible; the reaper wakes the Scheduler
@@ -349,6 +350,8 @@ async def test_a_stale_attempts_report_does_not_change_the_newer_attempt(
     old = await _running(host, engine, task_id)
     clock.advance(31)
     cp.poke_reaper()
+    await _state_is(engine, task_id, "queued", "assigned")
+    await host.heartbeat()  # its device, busy since the expiry, is idle again
 
     async def second() -> bool:
         row = (await task_rows(engine))[task_id]

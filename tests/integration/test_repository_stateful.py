@@ -214,8 +214,8 @@ class RepositoryMachine(RuleBasedStateMachine):
 
     # --- model transitions -------------------------------------------------------------
     def _hold_device(self, t: MTask) -> None:
-        """An expired or lost leased attempt: its idle device turns busy until the
-        host reports again (the host may still be running on it)."""
+        """An expired leased attempt: its idle device turns busy until the host
+        reports again (the host may still be running on it)."""
         if t.state in LEASED:
             devices = self.hosts[t.current.host].devices
             if devices.get(t.current.device) == "idle":
@@ -570,7 +570,6 @@ class RepositoryMachine(RuleBasedStateMachine):
         lost = set()
         for t in self.tasks.values():
             if t.state in LEASED and t.current.host == host and t.id not in confirmed:
-                self._hold_device(t)
                 if t.id in expired:
                     self._end(t, "lease_expired" if t.state == "running" else "ack_expired")
                 else:
