@@ -1187,12 +1187,6 @@ class Agent:
                 if remaining > 0:
                     await self._sleep(remaining, self._stopping)
                 return
-            # The poll's other devices may be claimed for again at once, not after
-            # this assignment's journal write: when several tasks reach one host
-            # together, each claim no longer waits for the one before it.
-            # (``_accept`` marks its own device held before it first yields.)
-            self._covered.difference_update(d for d in devices if d != assignment.device_id)
-            self._wake.set()
             await self._accept(assignment, devices)
         finally:
             self._covered.difference_update(devices)

@@ -168,6 +168,12 @@ def print_report(r: dict[str, Any]) -> None:
     table.add_row("throughput", "tasks/s (submit to done)", _f(tp["tasks_per_s"]))
     table.add_row("", "commits per task", _f(tp["commits_per_task"], digits=2))
     table.add_row("", "control-plane CPU per task", _f(tp["cpu_s_per_task"] * 1000, " ms", 3))
+    if tp.get("agents_cpu_s_per_task") is not None:
+        table.add_row(
+            "",
+            "benchmark process (agents) CPU per task",
+            _f(tp["agents_cpu_s_per_task"] * 1000, " ms", 3),
+        )
     table.add_row("", "control-plane peak RSS", _f(tp["peak_rss_mib"], " MiB"))
     table.add_row("", "assignment latency, saturated", _lat(tp["saturated"]["assignment"]))
     table.add_row("", "dispatch latency, saturated", _lat(tp["saturated"]["dispatch"]))
