@@ -4,9 +4,9 @@ It is woken (coalesced, see :meth:`actors.supervisor.Supervisor.wake_scheduler`)
 by submits, heartbeats, released reservations, expiries and a timer. Each pass
 calls ``repo.assign(limit)`` while it returns a full batch; fairness across
 projects and priority within a project are the repository's ``assign`` (one
-transaction per batch, SKIP LOCKED). For every new assignment it wakes the
-owning hosts' long-polls, starts a Lease actor through the supervisor and tells
-the Reaper about the claim deadline.
+transaction per batch, SKIP LOCKED). For every new assignment it starts a Lease
+actor through the supervisor, tells the Reaper about the claim deadline and
+wakes the owning hosts' long-polls.
 
 It holds no state of its own: after a crash, the replacement's first message is
 :class:`~actors.messages.Rebuild`, which makes sure every active attempt in the
@@ -59,13 +59,10 @@ class SchedulerActor(FleetActor):
 
     def _started(self, batch: list[Assignment]) -> None:
         self.ctx.stats.incr("assigned", len(batch))
-        # Hosts first: starting a Lease actor is a thread start each, and a claim
-        # that arrives before its actor starts one itself (ensure_lease is
-        # idempotent), so the hosts need not wait for the whole batch.
-        self.ctx.wake_hosts({(a.host_id, a.device_id) for a in batch})
         for a in batch:
             self.ctx.sup.ensure_lease(a)
         self.ctx.sup.hint_deadline(min(a.claim_deadline for a in batch))
+        self.ctx.wake_hosts({(a.host_id, a.device_id) for a in batch})
         self.ctx.emit(
             [
                 self.ctx.event(
