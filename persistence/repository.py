@@ -2822,39 +2822,17 @@ def _update_pair_stmt(
     )
 
 
-def _hold_devices_stmt() -> Any:
-    """Idle devices named by (host, device) turn busy, rows locked in (host,
-    device) order as every statement that locks several device rows does."""
-    r = _unnest_params("r", host_id=sa.Text, device_id=sa.Text)
-    locked = (
-        sa.select(devices.c.host_id, devices.c.device_id)
-        .join(r, sa.and_(devices.c.host_id == r.c.host_id, devices.c.device_id == r.c.device_id))
-        .where(devices.c.state == "idle")
-        .order_by(devices.c.host_id, devices.c.device_id)
-        .with_for_update(of=devices)
-        .cte("locked")
-    )
-    return (
-        devices.update()
-        .where(devices.c.host_id == locked.c.host_id, devices.c.device_id == locked.c.device_id)
-        .values(state="busy", updated_at=sa.bindparam("now", type_=devices.c.updated_at.type))
-    )
-
-
-def _release_devices_stmt() -> Any:
-    freed = (
-        device_reservations.delete()
-        .where(device_reservations.c.task_id == sa.any_(_arr_param("task_ids", UUIDT)))
-        .returning(device_reservations.c.host_id, device_reservations.c.device_id)
-        .cte("freed")
-    )
+def _set_device_state_stmt(named: Any, from_state: str, to_state: str) -> Any:
+    """The devices ``named`` (host_id, device_id columns) that are ``from_state``
+    turn ``to_state``, rows locked in (host, device) order, as every statement
+    that locks several device rows does (heartbeats, result batches)."""
     locked = (
         sa.select(devices.c.host_id, devices.c.device_id)
         .join(
-            freed,
-            sa.and_(devices.c.host_id == freed.c.host_id, devices.c.device_id == freed.c.device_id),
+            named,
+            sa.and_(devices.c.host_id == named.c.host_id, devices.c.device_id == named.c.device_id),
         )
-        .where(devices.c.state == "busy")
+        .where(devices.c.state == from_state)
         .order_by(devices.c.host_id, devices.c.device_id)
         .with_for_update(of=devices)
         .cte("locked")
@@ -2864,10 +2842,27 @@ def _release_devices_stmt() -> Any:
         .where(
             devices.c.host_id == locked.c.host_id,
             devices.c.device_id == locked.c.device_id,
-            devices.c.state == "busy",
+            devices.c.state == from_state,
         )
-        .values(state="idle", updated_at=sa.bindparam("now", type_=devices.c.updated_at.type))
+        .values(state=to_state, updated_at=sa.bindparam("now", type_=devices.c.updated_at.type))
     )
+
+
+def _hold_devices_stmt() -> Any:
+    """Expired attempts' idle devices turn busy (see ``_apply_endings``)."""
+    named = _unnest_params("r", host_id=sa.Text, device_id=sa.Text)
+    return _set_device_state_stmt(named, "idle", "busy")
+
+
+def _release_devices_stmt() -> Any:
+    """Delete the reservations of ``task_ids``; their reported-busy devices turn idle."""
+    freed = (
+        device_reservations.delete()
+        .where(device_reservations.c.task_id == sa.any_(_arr_param("task_ids", UUIDT)))
+        .returning(device_reservations.c.host_id, device_reservations.c.device_id)
+        .cte("freed")
+    )
+    return _set_device_state_stmt(freed, "busy", "idle")
 
 
 def _pending_stmt(on_devices: bool) -> Any:
