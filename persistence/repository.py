@@ -1148,14 +1148,8 @@ class Repository:
         """Assigned (unclaimed, unexpired) attempts of a host (read only), oldest
         first; only those on ``device_ids`` when given; at most ``limit``."""
         _check_host_id(host_id)
-        if isinstance(device_ids, str) or not all(isinstance(d, str) for d in device_ids):
-            raise Invalid("device_ids must be a sequence of strings", field="device_ids")
-        if limit is not None:
-            _check_int(limit, "limit", 1, 100_000)
-        on_devices = bool(device_ids)
-        params: dict[str, Any] = {"host_id": host_id, "lim": limit if limit is not None else None}
-        if on_devices:
-            params["device_ids"] = list(device_ids)
+        params = _pending_params(host_id, device_ids, limit)
+        on_devices = "device_ids" in params
 
         async def run(conn: AsyncConnection, now: datetime) -> list[Assignment]:
             stmt = _prebuilt(("pending", on_devices), lambda: _pending_stmt(on_devices))
@@ -1171,14 +1165,8 @@ class Repository:
         statement that the session is current (``Unauthorized`` if not): one read
         per long-poll look instead of two."""
         _check_session(session)
-        if isinstance(device_ids, str) or not all(isinstance(d, str) for d in device_ids):
-            raise Invalid("device_ids must be a sequence of strings", field="device_ids")
-        if limit is not None:
-            _check_int(limit, "limit", 1, 100_000)
-        on_devices = bool(device_ids)
-        params: dict[str, Any] = {"host_id": session.host_id, "lim": limit}
-        if on_devices:
-            params["device_ids"] = list(device_ids)
+        params = _pending_params(session.host_id, device_ids, limit)
+        on_devices = "device_ids" in params
 
         async def run(conn: AsyncConnection, now: datetime) -> list[Assignment]:
             stmt = _prebuilt(
@@ -2874,6 +2862,18 @@ def _pending_stmt(on_devices: bool) -> Any:
     if on_devices:
         conds.append(attempts.c.device_id == sa.any_(_arr_param("device_ids", sa.Text)))
     return _assignments_select(*conds).limit(sa.bindparam("lim", type_=sa.Integer))
+
+
+def _pending_params(host_id: str, device_ids: Sequence[str], limit: int | None) -> dict[str, Any]:
+    """Checked parameters of ``_pending_stmt`` (``device_ids`` only when given)."""
+    if isinstance(device_ids, str) or not all(isinstance(d, str) for d in device_ids):
+        raise Invalid("device_ids must be a sequence of strings", field="device_ids")
+    if limit is not None:
+        _check_int(limit, "limit", 1, 100_000)
+    params: dict[str, Any] = {"host_id": host_id, "lim": limit}
+    if device_ids:
+        params["device_ids"] = list(device_ids)
+    return params
 
 
 def _session_pending_stmt(on_devices: bool) -> Any:
