@@ -729,7 +729,25 @@ def _latencies(ids: Sequence[str], events: Events, held_at: dict[str, float]) ->
             assign.append(max(0.0, at["assigned"] - at["queued"]))
         if "assigned" in at and t in held_at:
             dispatch.append(max(0.0, held_at[t] - at["assigned"]))
-    return {"assignment": latency_ms(assign), "dispatch": latency_ms(dispatch)}
+    # Where a task's life goes, as the control plane stamped it: claim
+    # (assignment commit to claim commit), ack (claim to ack commit), report (ack
+    # to result commit: a zero-duration run, journal writes and the report).
+    phases: dict[str, list[float]] = {"claim": [], "ack": [], "report": []}
+    steps = (
+        ("claim", "assigned", "dispatched"),
+        ("ack", "dispatched", "running"),
+        ("report", "running", "done"),
+    )
+    for t in ids:
+        at = events.at.get(t, {})
+        for name, a, b in steps:
+            if a in at and b in at:
+                phases[name].append(max(0.0, at[b] - at[a]))
+    return {
+        "assignment": latency_ms(assign),
+        "dispatch": latency_ms(dispatch),
+        "phases": {name: latency_ms(v) for name, v in phases.items()},
+    }
 
 
 @dataclass

@@ -177,6 +177,14 @@ def print_report(r: dict[str, Any]) -> None:
     table.add_row("", "control-plane peak RSS", _f(tp["peak_rss_mib"], " MiB"))
     table.add_row("", "assignment latency, saturated", _lat(tp["saturated"]["assignment"]))
     table.add_row("", "dispatch latency, saturated", _lat(tp["saturated"]["dispatch"]))
+    phases = tp["saturated"].get("phases") or {}
+    for name, what in (
+        ("claim", "assigned -> claimed"),
+        ("ack", "claimed -> acked"),
+        ("report", "acked -> result"),
+    ):
+        if name in phases:
+            table.add_row("", f"{what}, saturated", _lat(phases[name]))
     half = tp["at_half_throughput"]
     table.add_row("", f"assignment latency at {half['rate_per_s']:.0f}/s", _lat(half["assignment"]))
     table.add_row("", f"dispatch latency at {half['rate_per_s']:.0f}/s", _lat(half["dispatch"]))

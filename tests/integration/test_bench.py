@@ -74,6 +74,9 @@ def test_bench_with_tiny_sizes_prints_a_report_of_every_cell(
         assert set(block["assignment"]) == LATENCY_KEYS
         assert set(block["dispatch"]) == LATENCY_KEYS
         assert block["assignment"]["n"] > 0 and block["dispatch"]["n"] > 0
+        assert set(block["phases"]) == {"claim", "ack", "report"}
+        for phase in block["phases"].values():
+            assert set(phase) == LATENCY_KEYS and phase["n"] > 0
 
     rn = report["renewals"]
     assert rn["leases"] == 6
