@@ -640,16 +640,19 @@ class Repository:
         pending: list[Any] = []
         seen: list[str] = []
         params = self._free_params(now)
-        # Nothing waits (the common wake-up after a result): do not read every
-        # free device of the fleet to find out.
-        if (
-            await conn.execute(_prebuilt("any_waiting", _any_waiting_stmt), params)
-        ).first() is None:
-            return won
-        for _batch in range(8):
-            free = _FreeDevice.load(
-                (await conn.execute(_prebuilt("free_devices", _free_devices_stmt), params)).all()
-            )
+        # The first read of the free devices returns nothing when nothing waits
+        # (the common wake-up after a result): the fleet's free devices are not
+        # read to find out, and it is one statement either way.
+        free = _FreeDevice.load(
+            (await conn.execute(_prebuilt("free_if_waiting", _free_if_waiting_stmt), params)).all()
+        )
+        for batch in range(8):
+            if batch:
+                free = _FreeDevice.load(
+                    (
+                        await conn.execute(_prebuilt("free_devices", _free_devices_stmt), params)
+                    ).all()
+                )
             room = min(limit - len(won), len(free))
             if room <= 0:
                 break
@@ -661,6 +664,12 @@ class Repository:
             taken = {a.task_id for a in got}
             pending = [t for t in pending if t.id not in taken]
             if not fresh and not got:
+                break
+            # Enough, or every device this transaction knew as free is now taken:
+            # another read could only find devices freed by commits since, and
+            # each of those wakes the Scheduler for another pass anyway. (Saves
+            # three round trips of a saturated pass.)
+            if len(won) >= limit or len(got) >= len(free):
                 break
         return won
 
@@ -722,22 +731,40 @@ class Repository:
             if not pairs:
                 break
             pairs.sort(key=lambda p: (p[1].host_id, p[1].device_id))
-            inserted = (
+            # One statement reserves the devices (a device another assigner
+            # reserved first is skipped), inserts the attempts of the reserved
+            # ones and moves their tasks to assigned.
+            deadline = now + timedelta(seconds=self.timings.claim_s)
+            rows = (
                 await conn.execute(
-                    _prebuilt("reserve", _reserve_stmt),
+                    _prebuilt("reserve_and_bind", _reserve_and_bind_stmt),
                     {
                         "r_host_id": [d.host_id for _, d in pairs],
                         "r_device_id": [d.device_id for _, d in pairs],
                         "r_task_id": [t.id for t, _ in pairs],
                         "r_attempt": [t.attempt + 1 for t, _ in pairs],
                         "p_now": now,
+                        "p_deadline": deadline,
                     },
                 )
-            ).scalars()
-            got = {str(t) for t in inserted}
-            round_won = [(t, d) for t, d in pairs if t.id in got]
-            if round_won:
-                won.extend(await self._bind_attempts(conn, now, round_won))
+            ).all()
+            if rows and rows[0].bound != len(rows):  # locked rows cannot move: a bug if seen
+                raise Conflict("assignment lost its task", reason="assign_race")
+            lease_ids = {str(r.task_id): str(r.lease_id) for r in rows}
+            got = set(lease_ids)
+            won.extend(
+                Assignment(
+                    task_id=t.id,
+                    attempt=t.attempt + 1,
+                    host_id=d.host_id,
+                    device_id=d.device_id,
+                    lease_id=lease_ids[t.id],
+                    claim_deadline=deadline,
+                    project=t.project,
+                )
+                for t, d in pairs
+                if t.id in got
+            )
             pending = [t for t in pending if t.id not in got]
             if len(got) == len(pairs) or not pending:
                 break
@@ -752,49 +779,6 @@ class Repository:
         # Rank order for the caller, whatever order the devices were inserted in.
         rank = {t.id: i for i, t in enumerate(candidates)}
         return sorted(won, key=lambda a: rank[a.task_id])
-
-    async def _bind_attempts(
-        self, conn: AsyncConnection, now: datetime, pairs: list[tuple[Any, Any]]
-    ) -> list[Assignment]:
-        deadline = now + timedelta(seconds=self.timings.claim_s)
-        out = [
-            Assignment(
-                task_id=t.id,
-                attempt=t.attempt + 1,
-                host_id=d.host_id,
-                device_id=d.device_id,
-                lease_id=str(uuid.uuid4()),
-                claim_deadline=deadline,
-                project=t.project,
-            )
-            for t, d in pairs
-        ]
-        await conn.execute(
-            attempts.insert(),
-            [
-                {
-                    "task_id": a.task_id,
-                    "number": a.attempt,
-                    "host_id": a.host_id,
-                    "device_id": a.device_id,
-                    "lease_id": a.lease_id,
-                    "assigned_at": now,
-                    "claim_deadline": deadline,
-                }
-                for a in out
-            ],
-        )
-        updated = await conn.execute(
-            _prebuilt("bind_attempts", _bind_attempts_stmt),
-            {
-                "r_id": [a.task_id for a in out],
-                "r_number": [a.attempt for a in out],
-                "p_now": now,
-            },
-        )
-        if updated.rowcount != len(out):  # locked rows cannot move: a bug if seen
-            raise Conflict("assignment lost its task", reason="assign_race")
-        return out
 
     # --- host messages: fencing ----------------------------------------------------
     async def _load(
@@ -3009,14 +2993,18 @@ def _extend_leases_stmt() -> Any:
     )
 
 
-def _any_waiting_stmt() -> Any:
+def _free_if_waiting_stmt() -> Any:
+    """``_free_devices_stmt``, empty at once when no task is waiting (eligible
+    now): PostgreSQL evaluates the uncorrelated EXISTS first, with the partial
+    index on waiting tasks, and then skips reading the devices."""
+    waiting = sa.exists().where(
+        sa.text("tasks.status IN ('queued', 'retrying')"),
+        tasks.c.eligible_at <= sa.bindparam("now", type_=tasks.c.eligible_at.type),
+    )
     return (
-        sa.select(tasks.c.id)
-        .where(
-            sa.text("tasks.status IN ('queued', 'retrying')"),
-            tasks.c.eligible_at <= sa.bindparam("now", type_=tasks.c.eligible_at.type),
-        )
-        .limit(1)
+        _free_devices_sub(caps_text=True)
+        .where(waiting)
+        .order_by(devices.c.host_id, devices.c.device_id)
     )
 
 
@@ -3107,38 +3095,69 @@ def _lock_candidates_stmt() -> Any:
     )
 
 
-def _reserve_stmt() -> Any:
+def _reserve_and_bind_stmt() -> Any:
+    """Reserve devices for tasks (ON CONFLICT DO NOTHING), insert an attempt for
+    each reservation made (lease id drawn by PostgreSQL), and move those tasks to
+    assigned, in one statement. Returns one row per reservation made: task id,
+    lease id, and ``bound``, the number of tasks moved (equal to the row count
+    unless a locked task changed, which would be a bug)."""
     r = _unnest_params("r", host_id=sa.Text, device_id=sa.Text, task_id=UUIDT, attempt=sa.Integer)
-    return (
+    now = sa.bindparam("p_now", type_=device_reservations.c.reserved_at.type)
+    reserved = (
         pg_insert(device_reservations)
         .from_select(
             ["host_id", "device_id", "task_id", "attempt", "reserved_at"],
-            sa.select(
-                r.c.host_id,
-                r.c.device_id,
-                r.c.task_id,
-                r.c.attempt,
-                sa.bindparam("p_now", type_=device_reservations.c.reserved_at.type),
-            ),
+            sa.select(r.c.host_id, r.c.device_id, r.c.task_id, r.c.attempt, now),
         )
         .on_conflict_do_nothing()
-        .returning(device_reservations.c.task_id)
+        .returning(
+            device_reservations.c.host_id,
+            device_reservations.c.device_id,
+            device_reservations.c.task_id,
+            device_reservations.c.attempt,
+        )
+        .cte("reserved")
     )
-
-
-def _bind_attempts_stmt() -> Any:
-    r = _unnest_params("r", id=UUIDT, number=sa.Integer)
-    return (
+    inserted = (
+        attempts.insert()
+        .from_select(
+            [
+                "task_id",
+                "number",
+                "host_id",
+                "device_id",
+                "lease_id",
+                "assigned_at",
+                "claim_deadline",
+            ],
+            sa.select(
+                reserved.c.task_id,
+                reserved.c.attempt,
+                reserved.c.host_id,
+                reserved.c.device_id,
+                sa.func.gen_random_uuid(),
+                now,
+                sa.bindparam("p_deadline", type_=attempts.c.claim_deadline.type),
+            ),
+        )
+        .returning(attempts.c.task_id, attempts.c.lease_id)
+        .cte("inserted")
+    )
+    bound = (
         tasks.update()
         .where(
-            tasks.c.id == r.c.id,
+            tasks.c.id == reserved.c.task_id,
             sa.or_(*[tasks.c.status == w for w in _WAITING]),
-            tasks.c.attempt == r.c.number - 1,
+            tasks.c.attempt == reserved.c.attempt - 1,
         )
         .values(
             status=TaskState.ASSIGNED.value,
-            attempt=r.c.number,
+            attempt=reserved.c.attempt,
             progress_seq=0,
-            updated_at=sa.bindparam("p_now", type_=tasks.c.updated_at.type),
+            updated_at=now,
         )
+        .returning(tasks.c.id)
+        .cte("bound")
     )
+    n_bound = sa.select(sa.func.count()).select_from(bound).scalar_subquery().label("bound")
+    return sa.select(inserted.c.task_id, inserted.c.lease_id, n_bound)
