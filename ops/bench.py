@@ -171,6 +171,15 @@ async def _bounded(concurrency: int, calls: Sequence[Callable[[], Awaitable[T]]]
     return list(await asyncio.gather(*(one(c) for c in calls)))
 
 
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine spent busy so far (every process; idle,
+    I/O wait and steal excluded)."""
+    t = psutil.cpu_times()
+    return float(
+        sum(getattr(t, f) for f in ("user", "nice", "system", "irq", "softirq") if hasattr(t, f))
+    )
+
+
 async def _xact_commit(url: str) -> int:
     import asyncpg
 
@@ -659,11 +668,13 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             _say(opts, f"throughput: {opts.tasks} tasks")
             cpu0 = serve.cpu_s()
             agents_cpu0 = time.process_time()  # this process: the agents, mostly
+            machine_cpu0 = _machine_busy_s()
             t0 = time.time()
             ids = await _submit(ops, opts.tasks)
             await _until_all(lambda: events.reached(ids, "done"), len(ids), "tasks done")
             cpu = serve.cpu_s() - cpu0
             agents_cpu = time.process_time() - agents_cpu0
+            machine_cpu = _machine_busy_s() - machine_cpu0
             last = max(events.at[t]["done"] for t in ids)
             tps = len(ids) / max(last - t0, 1e-9)
             saturated = _latencies(ids, events, held_at)
@@ -702,6 +713,9 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             # CPU of the benchmark process (the in-process agents, plus the
             # submitting user client and the event subscriber) per task.
             "agents_cpu_s_per_task": round(agents_cpu / len(ids), 6),
+            # Every process of the machine (PostgreSQL and NATS included): what a
+            # task costs the whole system here.
+            "machine_cpu_s_per_task": round(machine_cpu / len(ids), 6),
             "control_plane_cpu_cores": round(cpu / max(last - t0, 1e-9), 3),
             "commits_per_task": round(commits / total, 3),
             "commits_counted_over_tasks": total,

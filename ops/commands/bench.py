@@ -174,6 +174,12 @@ def print_report(r: dict[str, Any]) -> None:
             "benchmark process (agents) CPU per task",
             _f(tp["agents_cpu_s_per_task"] * 1000, " ms", 3),
         )
+    if tp.get("machine_cpu_s_per_task") is not None:
+        table.add_row(
+            "",
+            "whole machine CPU per task (PostgreSQL, NATS, every process)",
+            _f(tp["machine_cpu_s_per_task"] * 1000, " ms", 3),
+        )
     table.add_row("", "control-plane peak RSS", _f(tp["peak_rss_mib"], " MiB"))
     table.add_row("", "assignment latency, saturated", _lat(tp["saturated"]["assignment"]))
     table.add_row("", "dispatch latency, saturated", _lat(tp["saturated"]["dispatch"]))

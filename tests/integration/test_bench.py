@@ -68,7 +68,13 @@ def test_bench_with_tiny_sizes_prints_a_report_of_every_cell(
 
     tp = report["throughput"]
     assert tp["tasks"] == 20
-    for key in ("tasks_per_s", "cpu_s_per_task", "commits_per_task", "peak_rss_mib"):
+    for key in (
+        "tasks_per_s",
+        "cpu_s_per_task",
+        "machine_cpu_s_per_task",
+        "commits_per_task",
+        "peak_rss_mib",
+    ):
         assert isinstance(tp[key], int | float) and tp[key] > 0, key
     for block in (tp["saturated"], tp["at_half_throughput"]):
         assert set(block["assignment"]) == LATENCY_KEYS
