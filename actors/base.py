@@ -37,7 +37,7 @@ from actors.bridge import Bridge, Reply
 from actors.messages import Crash, Message
 from persistence.clock import Clock
 from persistence.errors import Invalid, RepositoryError, Unavailable
-from persistence.model import LeaseStatus
+from persistence.model import Assignment, LeaseStatus
 from persistence.repository import Renewal, Repository, Transition
 
 if TYPE_CHECKING:
@@ -96,9 +96,10 @@ class Context:
     reaper_max_sleep_s: float = 5.0
     reaper_idle_recheck_s: float = 1.0
     emit: Callable[[list[dict[str, Any]]], None] = lambda events: None
-    #: Wake parked long-polls: host ids (every poll of the host) or
-    #: ``(host_id, device_id)`` pairs (the polls that may claim that device).
-    wake_hosts: Callable[[Iterable[str | tuple[str, str]]], None] = lambda hosts: None
+    #: Wake parked long-polls: host ids (every poll of the host),
+    #: ``(host_id, device_id)`` pairs (the polls that may claim that device) or
+    #: new assignments (each handed to one poll that may claim it).
+    wake_hosts: Callable[[Iterable[str | tuple[str, str] | Assignment]], None] = lambda hosts: None
     renew: Callable[[Renewal], Coroutine[Any, Any, LeaseStatus]] | None = None
     #: Runs a fenced host transition (claim, ack, progress, result): group commit
     #: through ``run_many`` when enabled, else ``repo.run_one``.

@@ -6,7 +6,7 @@ calls ``repo.assign(limit)`` while it returns a full batch; fairness across
 projects and priority within a project are the repository's ``assign`` (one
 transaction per batch, SKIP LOCKED). For every new assignment it starts a Lease
 actor through the supervisor, tells the Reaper about the claim deadline and
-wakes the owning hosts' long-polls.
+hands it to a long-poll of its host, which claims it without a read.
 
 It holds no state of its own: after a crash, the replacement's first message is
 :class:`~actors.messages.Rebuild`, which makes sure every active attempt in the
@@ -62,7 +62,7 @@ class SchedulerActor(FleetActor):
         for a in batch:
             self.ctx.sup.ensure_lease(a)
         self.ctx.sup.hint_deadline(min(a.claim_deadline for a in batch))
-        self.ctx.wake_hosts({(a.host_id, a.device_id) for a in batch})
+        self.ctx.wake_hosts(batch)
         self.ctx.emit(
             [
                 self.ctx.event(

@@ -134,6 +134,72 @@ async def test_a_waiting_claim_is_woken_by_a_new_assignment(
     assert cp.host_wakeups >= 1
 
 
+class _CountingRepository(Repository):
+    """The real repository, counting the long-polls' reads of pending assignments."""
+
+    pending_reads = 0
+
+    async def session_pending(self, session: Session, **kw: Any) -> list[Any]:
+        try:
+            return await super().session_pending(session, **kw)
+        finally:
+            self.pending_reads += 1
+
+
+@pytest.fixture
+async def counting(engine: AsyncEngine, clock: ManualClock) -> AsyncIterator[ControlPlane]:
+    r = _CountingRepository(engine, clock, TIMINGS)
+    await r.add_user("admin", platform_admin=True)
+    await r.add_project("default", owner="admin")
+    plane = ControlPlane(r, scheduler_interval_s=0.5)
+    await plane.start()
+    try:
+        yield plane
+    finally:
+        await plane.stop()
+
+
+def _reads(cp: ControlPlane) -> int:
+    assert isinstance(cp.repo, _CountingRepository)
+    return cp.repo.pending_reads
+
+
+async def test_a_woken_claim_claims_its_assignment_without_reading_the_pending_ones(
+    counting: ControlPlane,
+) -> None:
+    cp = counting
+    host = await SimHost.create(cp, cp.repo, "h1", n_devices=2)
+    polls = {asyncio.create_task(host.claim(wait_s=60, device_ids=[d])) for d in host.devices}
+    # Each looked once (nothing pending) and is parked.
+    await wait_until(lambda: _reads(cp) == 2, what="both claims to look")
+    got = []
+    for _ in range(2):
+        got.append(await cp.submit(spec()))
+        done, polls = await asyncio.wait(polls, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1
+        claimed = done.pop().result()
+        assert claimed is not None and claimed.task_id == got[-1]
+    assert _reads(cp) == 2
+
+
+async def test_a_woken_claim_of_a_superseded_session_is_unauthorized(
+    counting: ControlPlane, engine: AsyncEngine
+) -> None:
+    cp = counting
+    host = await SimHost.create(cp, cp.repo, "h1")
+    waiting = asyncio.create_task(cp.claim(host.s, wait_s=60))
+    await wait_until(lambda: _reads(cp) == 1, what="the claim to look")
+    host.session = await cp.register("h1", host.credential)
+    task_id = await cp.submit(spec())
+    # The claim's own transaction refuses the old session, as the read would.
+    with pytest.raises(Unauthorized):
+        await asyncio.wait_for(waiting, 30)
+    assert _reads(cp) == 1
+    await _state_is(engine, task_id, "assigned")
+    claimed = await host.claim()
+    assert claimed is not None and claimed.task_id == task_id
+
+
 async def test_a_claim_with_nothing_to_do_returns_none_when_its_wait_ends(
     cp: ControlPlane, repo: Repository
 ) -> None:
