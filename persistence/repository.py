@@ -40,6 +40,7 @@ Decisions worth knowing when coding against this module:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import random
@@ -165,14 +166,23 @@ class Transition:
 class _Batch:
     """What the transitions of one ``run_many`` transaction share."""
 
-    __slots__ = ("free", "rows")
+    __slots__ = ("free", "rows", "writes")
 
-    def __init__(self, rows: dict[tuple[str, int, str], RowMapping]) -> None:
+    def __init__(
+        self, rows: dict[tuple[str, int, str], RowMapping], *, defer_writes: bool = False
+    ) -> None:
         self.rows = rows
         #: Tasks whose device reservation is released at the end of the batch, in
         #: one statement locking devices in (host, device) order, as heartbeats do:
         #: released one by one in task order they deadlocked with heartbeats.
         self.free: list[str] = []
+        #: With ``defer_writes`` (no task twice in the batch), the compare-and-set
+        #: of each transition is collected here by statement shape and written at
+        #: the end, one multi-row statement per shape: the rows are already locked
+        #: by the batch read, and no transition reads what another one writes.
+        self.writes: dict[Any, list[tuple[str, int, dict[str, Any], dict[str, Any]]]] | None = (
+            {} if defer_writes else None
+        )
 
     def row(self, task_id: str, attempt: int, host_id: str) -> RowMapping | None:
         return self.rows.get((task_id, attempt, host_id))
@@ -897,10 +907,12 @@ class Repository:
         from_states: Sequence[str],
         task_values: dict[str, Any],
         attempt_values: dict[str, Any],
+        batch: _Batch | None = None,
     ) -> None:
         """Compare-and-set the task (state and attempt) and its attempt in one
         statement; zero rows is a ``Conflict`` (the caller holds the row locks, so
-        it means a bug rather than a race)."""
+        it means a bug rather than a race). In a batch that defers its writes,
+        collected for ``_write_deferred``."""
         # A None is SQL NULL, part of the statement's shape (a JSON column would
         # take a bound None as the JSON value null).
         shape = (
@@ -908,6 +920,11 @@ class Repository:
             tuple(sorted((k, v is None) for k, v in task_values.items())),
             tuple(sorted((k, v is None) for k, v in attempt_values.items())),
         )
+        if batch is not None and batch.writes is not None:
+            batch.writes.setdefault(shape, []).append(
+                (task_id, attempt, task_values, attempt_values)
+            )
+            return
         params = {f"t_{k}": v for k, v in task_values.items() if v is not None}
         params.update({f"a_{k}": v for k, v in attempt_values.items() if v is not None})
         params["p_task_id"] = task_id
@@ -919,6 +936,46 @@ class Repository:
         ).first()
         if done is None:
             raise Conflict("the task changed underneath", reason="cas_failed", task_id=task_id)
+
+    async def _write_deferred(self, conn: AsyncConnection, batch: _Batch) -> None:
+        """A batch's collected compare-and-sets: one statement per shape (a shape
+        of one row takes the single-row statement). A row that did not match
+        raises ``_BatchAborted``: the batch is rolled back and run one by one."""
+        assert batch.writes is not None
+        for shape, items in batch.writes.items():
+            if len(items) == 1:
+                task_id, attempt, task_values, attempt_values = items[0]
+                try:
+                    await self._update_pair(
+                        conn, task_id, attempt, shape[0], task_values, attempt_values
+                    )
+                except Conflict as exc:
+                    raise _BatchAborted from exc
+                continue
+            params: dict[str, Any] = {
+                "v_task_id": [i[0] for i in items],
+                "v_attempt": [i[1] for i in items],
+            }
+            for prefix, keys, at in (("t_", shape[1], 2), ("a_", shape[2], 3)):
+                table = tasks if prefix == "t_" else attempts
+                for k, is_none in keys:
+                    if is_none:
+                        continue
+                    values = [i[at][k] for i in items]
+                    if isinstance(table.c[k].type, sa.JSON):
+                        values = [json.dumps(v) for v in values]
+                    params[f"v_{prefix}{k}"] = values
+            updated = (
+                await conn.execute(
+                    _prebuilt(
+                        ("update_pairs", shape), functools.partial(_update_pairs_stmt, *shape)
+                    ),
+                    params,
+                )
+            ).all()
+            if len(updated) != len(items):
+                raise _BatchAborted(f"{len(items) - len(updated)} compare-and-set(s) failed")
+        batch.writes.clear()
 
     # --- claim / ack / renew / progress ------------------------------------------
     async def run_one(self, t: Transition) -> Any:
@@ -946,8 +1003,10 @@ class Repository:
         seen = Counter(t.task_id for t in ts)
         keys = [(t.task_id, t.attempt, t.host_id) for t in ts if seen[t.task_id] == 1]
 
+        distinct = len(seen) == len(ts)
+
         async def run(conn: AsyncConnection, now: datetime) -> list[Any]:
-            batch = _Batch(await self._load_fenced_many(conn, keys))
+            batch = _Batch(await self._load_fenced_many(conn, keys), defer_writes=distinct)
             out: list[Any] = [None] * len(ts)
             for i in order:
                 t = ts[i]
@@ -957,6 +1016,8 @@ class Repository:
                     if exc.fields.get("reason") == "cas_failed":
                         raise _BatchAborted from exc  # it may have written: undo all
                     out[i] = exc
+            if batch.writes:
+                await self._write_deferred(conn, batch)
             if batch.free:
                 await self._release_devices(conn, now, batch.free)
             return out
@@ -1029,12 +1090,17 @@ class Repository:
             pre = batch.row(tid, attempt, session.host_id) if batch is not None else None
             row = await self._load(conn, session, tid, attempt, pre)
             self._fence_owner(row, session, attempt)
-            return await self._claim_row(conn, row, session, now)
+            return await self._claim_row(conn, row, session, now, batch)
 
         return Transition("claim", tid, attempt, session.host_id, run)
 
     async def _claim_row(
-        self, conn: AsyncConnection, row: RowMapping, session: Session, now: datetime
+        self,
+        conn: AsyncConnection,
+        row: RowMapping,
+        session: Session,
+        now: datetime,
+        batch: _Batch | None = None,
     ) -> Claimed:
         tid = row["task_id"]
         if row["status"] in TERMINAL_STATES:
@@ -1063,6 +1129,7 @@ class Repository:
                 "ack_deadline": ack_deadline,
                 "lease_expires_at": ack_deadline,
             },
+            batch,
         )
         return Claimed(
             task_id=tid,
@@ -1201,6 +1268,7 @@ class Repository:
                 [TaskState.DISPATCHED.value],
                 {"status": TaskState.RUNNING.value, "updated_at": now},
                 {"acked_at": now, "lease_expires_at": expires},
+                batch,
             )
             return self._status(row, TaskState.RUNNING.value, expires)
 
@@ -1548,6 +1616,7 @@ class Repository:
             _LEASED,
             values,
             {"ended_at": now, "end_reason": end.value},
+            batch,
         )
         # The device is free again, and the host said so by reporting: a "busy" it
         # reported while the attempt ran turns idle in the same statement, so the
@@ -2791,6 +2860,63 @@ def _update_pair_stmt(
         )
         .values(_set_values(attempts, "a_", attempt_keys))
         .returning(attempts.c.number)
+    )
+
+
+def _update_pairs_stmt(
+    from_states: tuple[str, ...],
+    task_keys: tuple[tuple[str, bool], ...],
+    attempt_keys: tuple[tuple[str, bool], ...],
+) -> Any:
+    """``_update_pair_stmt`` for many rows of one shape: the values come as
+    arrays (``v_task_id``, ``v_attempt``, ``v_t_<col>``, ``v_a_<col>``; JSON
+    columns as JSON text). Returns one row per pair written."""
+
+    def item_type(table: sa.Table, k: str) -> Any:
+        typ = table.c[k].type
+        return sa.Text if isinstance(typ, sa.JSON) else typ
+
+    cols: dict[str, Any] = {"task_id": UUIDT, "attempt": sa.Integer}
+    cols.update({f"t_{k}": item_type(tasks, k) for k, is_none in task_keys if not is_none})
+    cols.update({f"a_{k}": item_type(attempts, k) for k, is_none in attempt_keys if not is_none})
+    v = _unnest_params("v", **cols)
+
+    def value(table: sa.Table, prefix: str, k: str, is_none: bool) -> Any:
+        if is_none:
+            return sa.null()
+        col = v.c[f"{prefix}{k}"]
+        return sa.cast(col, table.c[k].type) if isinstance(table.c[k].type, sa.JSON) else col
+
+    a_cols = [f"a_{k}" for k, is_none in attempt_keys if not is_none]
+    t = (
+        tasks.update()
+        .where(
+            tasks.c.id == v.c.task_id,
+            sa.or_(*[tasks.c.status == s for s in from_states]),
+            tasks.c.attempt == v.c.attempt,
+        )
+        .values({k: value(tasks, "t_", k, n) for k, n in task_keys})
+        # The attempt's values ride along, so the statement names the arrays once.
+        .returning(tasks.c.id, v.c.attempt, *[v.c[c] for c in a_cols])
+        .cte("t")
+    )
+
+    def a_value(k: str, is_none: bool) -> Any:
+        if is_none:
+            return sa.null()
+        col = t.c[f"a_{k}"]
+        typ = attempts.c[k].type
+        return sa.cast(col, typ) if isinstance(typ, sa.JSON) else col
+
+    return (
+        attempts.update()
+        .where(
+            attempts.c.task_id == t.c.id,
+            attempts.c.number == t.c.attempt,
+            attempts.c.ended_at.is_(None),
+        )
+        .values({k: a_value(k, n) for k, n in attempt_keys})
+        .returning(attempts.c.task_id)
     )
 
 

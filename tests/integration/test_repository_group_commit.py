@@ -8,10 +8,13 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import sqlalchemy as sa
+from structlog.testing import capture_logs
+
 from actors.groupcommit import RenewBatcher, TransitionBatcher
 from persistence.errors import Conflict, Gone, NotFound, Unauthorized
 from persistence.model import LeaseStatus, Outcome, Session, TaskState
-from persistence.repository import Renewal
+from persistence.repository import Renewal, Transition
 from tests.integration.test_repository_support import World, world
 
 __all__ = ["world"]
@@ -101,6 +104,108 @@ async def test_refused_transitions_in_a_batch_change_nothing_and_do_not_undo_the
     assert [await world.attempt_rows(t) for t in untouched] == before_attempts
     assert await world.reservations() == before_reservations
     assert (await world.task_row(good.task_id))["progress_seq"] == 5
+
+
+async def test_many_transitions_of_one_kind_are_written_by_one_statement_each_kind(
+    world: World,
+) -> None:
+    """Several claims, acks and results in one batch: their compare-and-sets are
+    written together, one multi-row statement per shape, with the same rows as
+    one at a time would write (the result's JSON included)."""
+    h1 = await world.host("h1", [f"d{i}" for i in range(9)])
+    to_claim = [await world.assigned(h1) for _ in range(3)]
+    to_ack = [await world.dispatched(h1) for _ in range(3)]
+    to_finish = [await world.running(h1) for _ in range(3)]
+    repo = world.repo
+
+    with capture_logs() as logs:
+        out = await repo.run_many(
+            [repo.claim_op(h1, a.task_id, a.attempt) for a in to_claim]
+            + [repo.ack_op(h1, c.task_id, c.attempt, c.lease_token) for c in to_ack]
+            + [
+                repo.report_result_op(
+                    h1,
+                    c.task_id,
+                    c.attempt,
+                    c.lease_token,
+                    outcome=Outcome.DONE,
+                    result={"n": i, "text": "ok \u00e9"},
+                    fingerprint=f"f{i}",
+                )
+                for i, c in enumerate(to_finish)
+            ]
+        )
+
+    # Written together, not rolled back and run one by one.
+    assert not [e for e in logs if e["event"] == "repository.batch_isolated"]
+    assert not [o for o in out if isinstance(o, Exception)]
+    for a, claimed in zip(to_claim, out[:3], strict=True):
+        assert (await world.task_row(a.task_id))["status"] == "dispatched"
+        (attempt,) = await world.attempt_rows(a.task_id)
+        assert attempt["claimed_at"] is not None
+        assert attempt["ack_deadline"] == claimed.ack_deadline
+        assert attempt["session_generation"] == h1.generation
+        assert attempt["lease_token_hash"] is not None
+        # The token the claim returned is the one now stored: it acks.
+        acked = await repo.ack(h1, a.task_id, a.attempt, claimed.lease_token)
+        assert acked.state is TaskState.RUNNING
+    for c, status in zip(to_ack, out[3:6], strict=True):
+        assert (await world.task_row(c.task_id))["status"] == "running"
+        (attempt,) = await world.attempt_rows(c.task_id)
+        assert attempt["acked_at"] is not None
+        assert attempt["lease_expires_at"] == status.lease_expires_at
+    for i, c in enumerate(to_finish):
+        row = await world.task_row(c.task_id)
+        assert (row["status"], row["result"], row["result_fingerprint"]) == (
+            "done",
+            {"n": i, "text": "ok \u00e9"},
+            f"f{i}",
+        )
+        (attempt,) = await world.attempt_rows(c.task_id)
+        assert (attempt["end_reason"], attempt["ended_at"] is not None) == ("done", True)
+    held = {str(r["task_id"]) for r in await world.reservations()}
+    assert held == {a.task_id for a in to_claim} | {c.task_id for c in to_ack}
+
+
+async def test_a_batched_write_that_misses_undoes_the_batch_and_each_runs_alone(
+    world: World,
+) -> None:
+    """The batch's compare-and-sets are written last; should one find its row
+    changed (here a transition of the batch changes another's task, which no
+    real transition does), everything is rolled back and each transition runs in
+    a transaction of its own."""
+    h1 = await world.host("h1", ["d1", "d2"])
+    a, b = await world.dispatched(h1), await world.dispatched(h1)
+    repo = world.repo
+    ran_shared = []
+
+    async def sabotage(conn: Any, now: Any, batch: Any) -> str:
+        if batch is not None:  # in the shared transaction only
+            ran_shared.append(True)
+            await conn.execute(
+                sa.text("UPDATE tasks SET attempt = attempt + 100 WHERE id = :id"),
+                {"id": b.task_id},
+            )
+        return "ran"
+
+    out = await repo.run_many(
+        [
+            repo.ack_op(h1, a.task_id, a.attempt, a.lease_token),
+            repo.ack_op(h1, b.task_id, b.attempt, b.lease_token),
+            Transition("sabotage", "ffffffff-ffff-ffff-ffff-ffffffffffff", 1, "h1", sabotage),
+        ]
+    )
+
+    assert ran_shared == [True]
+    acked_a, acked_b, sabotage_out = out
+    assert (acked_a.state, acked_b.state, sabotage_out) == (
+        TaskState.RUNNING,
+        TaskState.RUNNING,
+        "ran",
+    )
+    for c in (a, b):
+        row = await world.task_row(c.task_id)
+        assert (row["status"], row["attempt"]) == ("running", c.attempt)
 
 
 async def test_the_same_task_twice_in_a_batch_runs_in_order(world: World) -> None:
