@@ -127,7 +127,8 @@ class Reply(Generic[T]):
     async def wait(self, timeout: float) -> T:
         """The answer, or ``Unavailable`` (retryable) if none came in ``timeout`` s."""
         try:
-            return await asyncio.wait_for(self._future, timeout)
+            async with asyncio.timeout(timeout):
+                return await self._future
         except TimeoutError as exc:
             raise Unavailable(f"no reply within {timeout} s", retryable=True) from exc
 

@@ -375,7 +375,8 @@ class ControlPlane:
                         if remaining <= 0 or not self._accepting:
                             return None
                         try:
-                            await asyncio.wait_for(woken, remaining)
+                            async with asyncio.timeout(remaining):
+                                await woken
                         except TimeoutError:
                             return None
                         if not self._accepting:
@@ -640,8 +641,11 @@ class ControlPlane:
         return await reply.wait(self.ask_timeout_s)
 
     async def _bounded(self, coro: Coroutine[Any, Any, T]) -> T:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for runs the
+        # coroutine in a task of its own, a task per request for nothing.
         try:
-            return await asyncio.wait_for(coro, self.ask_timeout_s)
+            async with asyncio.timeout(self.ask_timeout_s):
+                return await coro
         except TimeoutError as exc:
             raise Unavailable(f"no answer within {self.ask_timeout_s} s") from exc
 
