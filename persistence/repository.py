@@ -2881,11 +2881,13 @@ def _update_pairs_stmt(
     cols.update({f"a_{k}": item_type(attempts, k) for k, is_none in attempt_keys if not is_none})
     v = _unnest_params("v", **cols)
 
-    def value(table: sa.Table, prefix: str, k: str, is_none: bool) -> Any:
+    def value(source: Any, table: sa.Table, prefix: str, k: str, is_none: bool) -> Any:
+        """The new value of ``table.k``: SQL NULL, or the array element in
+        ``source`` (JSON text cast back to JSON)."""
         if is_none:
             return sa.null()
-        col = v.c[f"{prefix}{k}"]
-        return sa.cast(col, table.c[k].type) if isinstance(table.c[k].type, sa.JSON) else col
+        col, typ = source.c[f"{prefix}{k}"], table.c[k].type
+        return sa.cast(col, typ) if isinstance(typ, sa.JSON) else col
 
     a_cols = [f"a_{k}" for k, is_none in attempt_keys if not is_none]
     t = (
@@ -2895,18 +2897,11 @@ def _update_pairs_stmt(
             sa.or_(*[tasks.c.status == s for s in from_states]),
             tasks.c.attempt == v.c.attempt,
         )
-        .values({k: value(tasks, "t_", k, n) for k, n in task_keys})
+        .values({k: value(v, tasks, "t_", k, n) for k, n in task_keys})
         # The attempt's values ride along, so the statement names the arrays once.
         .returning(tasks.c.id, v.c.attempt, *[v.c[c] for c in a_cols])
         .cte("t")
     )
-
-    def a_value(k: str, is_none: bool) -> Any:
-        if is_none:
-            return sa.null()
-        col = t.c[f"a_{k}"]
-        typ = attempts.c[k].type
-        return sa.cast(col, typ) if isinstance(typ, sa.JSON) else col
 
     return (
         attempts.update()
@@ -2915,7 +2910,7 @@ def _update_pairs_stmt(
             attempts.c.number == t.c.attempt,
             attempts.c.ended_at.is_(None),
         )
-        .values({k: a_value(k, n) for k, n in attempt_keys})
+        .values({k: value(t, attempts, "a_", k, n) for k, n in attempt_keys})
         .returning(attempts.c.task_id)
     )
 
