@@ -267,6 +267,7 @@ class Server:
         self._wake_subject = f"{self.subjects.prefix}._wake"
         self._instance = os.urandom(8)
         self._wake_pending: set[str] = set()
+        self._events_pending: list[Any] = []
         self._wake_sub: Subscription | None = None
 
     # --- lifecycle ---------------------------------------------------------------
@@ -912,27 +913,38 @@ class Server:
             return
         events = event if isinstance(event, list) else [event]
         if threading.get_ident() == self._loop_thread:
-            self._publish_events(events)
+            # Published together at the end of this loop iteration: one task and
+            # one flush for the events of many transitions.
+            if not self._events_pending:
+                loop.call_soon(self._publish_pending)
+            self._events_pending.extend(events)
         else:
             with contextlib.suppress(RuntimeError):  # loop closed: shutting down
                 loop.call_soon_threadsafe(self._publish_events, events)
+
+    def _publish_pending(self) -> None:
+        events, self._events_pending = self._events_pending, []
+        self._publish_events(events)
 
     def _publish_events(self, events: list[Any]) -> None:
         nc = self._events_nc
         if nc is None or self._stopping:
             return
         subject = self.subjects.events_task()
+        payloads: list[bytes] = []
         for event in events:
             try:
-                payload = msgpack.packb(event, default=str, use_bin_type=True)
+                payloads.append(msgpack.packb(event, default=str, use_bin_type=True))
             except (TypeError, ValueError):
                 log.warning("event_not_encodable")
                 continue
-            _background(nc.publish(subject, payload))
             if isinstance(event, dict) and event.get("state") == "assigned":
                 host = event.get("host_id")
                 if isinstance(host, str):
                     self._wake_elsewhere(host)
+        if payloads:
+            # One task for the batch, not one per event.
+            _background(_publish_all(nc, subject, payloads))
 
     # A host's long-poll may be parked in another ``fleetlease serve`` process
     # than the one whose Scheduler made the assignment: tell the others. One
@@ -959,6 +971,11 @@ class Server:
         if origin == self._instance or not isinstance(hosts, list):
             return
         self.cp.wake_hosts([h for h in hosts if isinstance(h, str)])
+
+
+async def _publish_all(nc: NatsClient, subject: str, payloads: list[bytes]) -> None:
+    for payload in payloads:
+        await nc.publish(subject, payload)
 
 
 def _background(coro: Awaitable[None]) -> None:
