@@ -578,6 +578,8 @@ class OpsApi:
             .label("is_admin"),
         ).where(t.projects.c.name == project)
         async with self.repo.engine.connect() as conn:
+            # One statement: no BEGIN/ROLLBACK round trips around it.
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
             row = (await conn.execute(query)).first()
         if row is None:
             raise NotFound(f"no project {project!r}", field="project")
