@@ -66,6 +66,7 @@ SUBMIT_BATCH = 100
 #: Payload of every benchmark task: the simulated runner returns at once.
 ZERO = {"sim": {"duration_s": 0}}
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+_TAKE_RETRIES = 5
 
 
 class BenchError(RuntimeError):
@@ -830,24 +831,53 @@ async def lease_cells(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
         ) as ops:
             await _submit(ops, k, batch=1000)
         leases: list[_Lease] = []
+        # A request that times out (``unavailable``) is retried, as an agent
+        # does, instead of failing the cell: an ack is idempotent; a claim
+        # whose reply was lost may have committed, leaving that task claimed
+        # by nobody until its claim deadline, so a host stops polling once
+        # every task it was given is leased or may have been lost that way.
+        lost_claims = 0
 
-        async def take(c: HostClient, want: int) -> None:
-            got = 0
-            while got < want:
-                a = await c.claim(5.0)
+        async def retrying(call: Callable[[], Awaitable[T]]) -> T:
+            for _ in range(_TAKE_RETRIES):
+                try:
+                    return await call()
+                except Exception as exc:
+                    if getattr(exc, "code", None) != "unavailable":
+                        raise
+            return await call()
+
+        async def renew(lease: _Lease) -> None:
+            await retrying(lambda: lease.client.renew(lease.task_id, lease.attempt, lease.token))
+
+        async def take(c: HostClient, host: dict[str, int]) -> None:
+            nonlocal lost_claims
+            while host["got"] + host["suspect"] < host["want"]:
+                try:
+                    a = await c.claim(5.0)
+                except Exception as exc:
+                    if getattr(exc, "code", None) != "unavailable":
+                        raise
+                    host["suspect"] += 1
+                    lost_claims += 1
+                    continue
                 if a is None:
                     continue
-                await c.ack(a.task_id, a.attempt, a.lease_token)
+                await retrying(lambda a=a: c.ack(a.task_id, a.attempt, a.lease_token))
                 leases.append(_Lease(c, a.task_id, a.attempt, a.lease_token))
-                got += 1
+                host["got"] += 1
+                if host["suspect"]:
+                    # That claim had not committed after all: poll for it again.
+                    host["suspect"] -= 1
+                    lost_claims -= 1
 
         t_lease = time.monotonic()
         jobs: list[Awaitable[None]] = []
         for i, c in enumerate(clients):
             want = min(per_host, k - i * per_host)
             # A few claims in flight per host.
-            share = [want // 8 + (1 if j < want % 8 else 0) for j in range(8)]
-            jobs.extend(take(c, s) for s in share if s)
+            host = {"want": want, "got": 0, "suspect": 0}
+            jobs.extend(take(c, host) for _ in range(min(8, want)))
         await asyncio.gather(*jobs)
         t_lease = time.monotonic() - t_lease
         await asyncio.sleep(1.0)
@@ -864,7 +894,7 @@ async def lease_cells(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             while time.monotonic() < stop_at:
                 lease = leases[cursor % len(leases)]
                 cursor += 1
-                await lease.client.renew(lease.task_id, lease.attempt, lease.token)
+                await renew(lease)
                 done += 1
 
         commits0 = await _xact_commit(fleet.db_url)
@@ -885,7 +915,7 @@ async def lease_cells(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
         async def paced(i: int, lease: _Lease, t_start: float) -> None:
             await asyncio.sleep(max(0.0, t_start + period * i / len(leases) - time.monotonic()))
             t = time.perf_counter()
-            await lease.client.renew(lease.task_id, lease.attempt, lease.token)
+            await renew(lease)
             renew_lat.append(time.perf_counter() - t)
 
         cpu0, t0 = serve.cpu_s(), time.monotonic()
@@ -895,6 +925,7 @@ async def lease_cells(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
         renewals = {
             "leases": len(leases),
             "lease_and_ack_s": round(t_lease, 2),
+            "claim_timeouts_unrecovered": lost_claims,
             "rss_per_lease_kib": round((rss_full - rss_before) / len(leases) / 1024, 2),
             "burst_renewals_per_s": round(burst_rate, 1),
             "burst_cpu_s_per_renewal": round(burst_cpu / max(done, 1), 6),

@@ -85,7 +85,7 @@ def test_bench_with_tiny_sizes_prints_a_report_of_every_cell(
             assert set(phase) == LATENCY_KEYS and phase["n"] > 0
 
     rn = report["renewals"]
-    assert rn["leases"] == 6
+    assert rn["leases"] == 6 and rn["claim_timeouts_unrecovered"] == 0
     for key in (
         "rss_per_lease_kib",
         "burst_renewals_per_s",
