@@ -954,25 +954,19 @@ class Repository:
         if done is None:
             raise Conflict("the task changed underneath", reason="cas_failed", task_id=task_id)
 
-    async def _write_deferred(self, conn: AsyncConnection, batch: _Batch) -> None:
-        """A batch's collected compare-and-sets: one statement per shape (a shape
-        of one row takes the single-row statement). A row that did not match
-        raises ``_BatchAborted``: the batch is rolled back and run one by one."""
+    async def _write_deferred(self, conn: AsyncConnection, batch: _Batch, now: datetime) -> None:
+        """A batch's collected compare-and-sets and its device releases, in one
+        statement: a multi-row compare-and-set per shape and the release, each a
+        data-modifying CTE (one round trip for the batch's writes, not one per
+        shape plus one for the release). A row that did not match raises
+        ``_BatchAborted``: the batch is rolled back and run one by one."""
         assert batch.writes is not None
-        for shape, items in batch.writes.items():
-            if len(items) == 1:
-                task_id, attempt, task_values, attempt_values = items[0]
-                try:
-                    await self._update_pair(
-                        conn, task_id, attempt, shape[0], task_values, attempt_values
-                    )
-                except Conflict as exc:
-                    raise _BatchAborted from exc
-                continue
-            params: dict[str, Any] = {
-                "v_task_id": [i[0] for i in items],
-                "v_attempt": [i[1] for i in items],
-            }
+        shapes = sorted(batch.writes)
+        params: dict[str, Any] = {}
+        for n, shape in enumerate(shapes):
+            items = batch.writes[shape]
+            params[f"v{n}_task_id"] = [i[0] for i in items]
+            params[f"v{n}_attempt"] = [i[1] for i in items]
             for prefix, keys, at in (("t_", shape[1], 2), ("a_", shape[2], 3)):
                 table = tasks if prefix == "t_" else attempts
                 for k, is_none in keys:
@@ -981,18 +975,24 @@ class Repository:
                     values = [i[at][k] for i in items]
                     if isinstance(table.c[k].type, sa.JSON):
                         values = [json.dumps(v) for v in values]
-                    params[f"v_{prefix}{k}"] = values
-            updated = (
-                await conn.execute(
-                    _prebuilt(
-                        ("update_pairs", shape), functools.partial(_update_pairs_stmt, *shape)
-                    ),
-                    params,
-                )
-            ).all()
-            if len(updated) != len(items):
-                raise _BatchAborted(f"{len(items) - len(updated)} compare-and-set(s) failed")
+                    params[f"v{n}_{prefix}{k}"] = values
+        release = bool(batch.free)
+        if release:
+            params["task_ids"] = list(batch.free)
+            params["now"] = now
+        key = ("write_batch", tuple(shapes), release)
+        counts = (
+            await conn.execute(
+                _prebuilt(key, functools.partial(_write_batch_stmt, tuple(shapes), release)),
+                params,
+            )
+        ).one()
+        for n, shape in enumerate(shapes):
+            missed = len(batch.writes[shape]) - counts[n]
+            if missed:
+                raise _BatchAborted(f"{missed} compare-and-set(s) failed")
         batch.writes.clear()
+        batch.free.clear()
 
     # --- claim / ack / renew / progress ------------------------------------------
     async def run_one(self, t: Transition) -> Any:
@@ -1034,7 +1034,7 @@ class Repository:
                         raise _BatchAborted from exc  # it may have written: undo all
                     out[i] = exc
             if batch.writes:
-                await self._write_deferred(conn, batch)
+                await self._write_deferred(conn, batch, now)
             if batch.free:
                 await self._release_devices(conn, now, batch.free)
             return out
@@ -2880,14 +2880,16 @@ def _update_pair_stmt(
     )
 
 
-def _update_pairs_stmt(
+def _update_pairs_cte(
+    n: int,
     from_states: tuple[str, ...],
     task_keys: tuple[tuple[str, bool], ...],
     attempt_keys: tuple[tuple[str, bool], ...],
 ) -> Any:
-    """``_update_pair_stmt`` for many rows of one shape: the values come as
-    arrays (``v_task_id``, ``v_attempt``, ``v_t_<col>``, ``v_a_<col>``; JSON
-    columns as JSON text). Returns one row per pair written."""
+    """``_update_pair_stmt`` for many rows of one shape, as a CTE ``a<n>`` that
+    returns one row per pair written: the values come as arrays
+    (``v<n>_task_id``, ``v<n>_attempt``, ``v<n>_t_<col>``, ``v<n>_a_<col>``;
+    JSON columns as JSON text)."""
 
     def item_type(table: sa.Table, k: str) -> Any:
         typ = table.c[k].type
@@ -2896,7 +2898,7 @@ def _update_pairs_stmt(
     cols: dict[str, Any] = {"task_id": UUIDT, "attempt": sa.Integer}
     cols.update({f"t_{k}": item_type(tasks, k) for k, is_none in task_keys if not is_none})
     cols.update({f"a_{k}": item_type(attempts, k) for k, is_none in attempt_keys if not is_none})
-    v = _unnest_params("v", **cols)
+    v = _unnest_params(f"v{n}", **cols)
 
     def value(source: Any, table: sa.Table, prefix: str, k: str, is_none: bool) -> Any:
         """The new value of ``table.k``: SQL NULL, or the array element in
@@ -2914,10 +2916,10 @@ def _update_pairs_stmt(
             sa.or_(*[tasks.c.status == s for s in from_states]),
             tasks.c.attempt == v.c.attempt,
         )
-        .values({k: value(v, tasks, "t_", k, n) for k, n in task_keys})
+        .values({k: value(v, tasks, "t_", k, null) for k, null in task_keys})
         # The attempt's values ride along, so the statement names the arrays once.
         .returning(tasks.c.id, v.c.attempt, *[v.c[c] for c in a_cols])
-        .cte("t")
+        .cte(f"t{n}")
     )
 
     return (
@@ -2927,9 +2929,27 @@ def _update_pairs_stmt(
             attempts.c.number == t.c.attempt,
             attempts.c.ended_at.is_(None),
         )
-        .values({k: value(t, attempts, "a_", k, n) for k, n in attempt_keys})
+        .values({k: value(t, attempts, "a_", k, null) for k, null in attempt_keys})
         .returning(attempts.c.task_id)
+        .cte(f"a{n}")
     )
+
+
+def _write_batch_stmt(shapes: tuple[Any, ...], release: bool) -> Any:
+    """A ``run_many`` batch's writes as one statement: per shape, the multi-row
+    compare-and-set (``_update_pairs_cte``); with ``release``, the device release
+    of ``_release_devices_stmt`` (``task_ids``, ``now``). Returns one row: the
+    pairs written per shape, in order. Every data-modifying CTE runs whether or
+    not the outer query reads it; they touch disjoint rows (each task at most
+    once, reservations and devices apart from tasks and attempts)."""
+    counts = [
+        sa.select(sa.func.count()).select_from(_update_pairs_cte(n, *shape)).scalar_subquery()
+        for n, shape in enumerate(shapes)
+    ]
+    if release:
+        released = _release_devices_stmt().returning(devices.c.device_id).cte("released")
+        counts.append(sa.select(sa.func.count()).select_from(released).scalar_subquery())
+    return sa.select(*[c.label(f"n{i}") for i, c in enumerate(counts)])
 
 
 def _set_device_state_stmt(named: Any, from_state: str, to_state: str) -> Any:
