@@ -109,6 +109,11 @@ DEFAULT_STACK_SIZE = 256 * 1024
 
 #: How often a message the Lease actor never handled is re-sent to its replacement.
 _REDELIVERIES = 3
+#: How long an empty read of a host's pending assignments on some devices is
+#: trusted (see ``ControlPlane.claim``).
+_KNOWN_EMPTY_S = 1.0
+#: Assignments kept per host that no long-poll was parked to take.
+_UNHANDED_MAX = 1024
 
 
 @dataclass(eq=False)
@@ -175,6 +180,17 @@ class ControlPlane:
         self._host_wakeups = 0
         #: Assignments a long-poll of this process is claiming right now.
         self._claiming: set[tuple[str, int]] = set()
+        #: New assignments ``_hand`` found no parked long-poll for, per host: the
+        #: next poll of the host claims them without a read.
+        self._unhanded: dict[str, list[Assignment]] = {}
+        #: Per host: the session generation and, per device, until when (loop
+        #: time) this process knows the device has no pending assignment that is
+        #: not in ``_unhanded`` or in a poll's hands (an empty read, and every
+        #: assignment since passed through ``_hand``).
+        self._known_empty: dict[str, tuple[int, dict[str, float]]] = {}
+        #: Bumped whenever something known is forgotten: a read that overlapped
+        #: a forget does not mark anything known.
+        self._forgets = 0
         self._inflight = 0
         self._idle: asyncio.Event | None = None
         self._accepting = False
@@ -342,7 +358,17 @@ class ControlPlane:
         after ``wait_s``. Never polls the database in a loop: it waits on a per-host
         future that the Scheduler's signal completes. A poll woken with new
         assignments (``wake_hosts``) claims them without reading the pending ones
-        first; it reads only when none of them was left to claim."""
+        first; it reads only when none of them was left to claim.
+
+        A fresh poll first takes the new assignments no poll was parked for when
+        they were made (``_unhanded``). It skips the read when an empty read of
+        its devices, for its session, is less than ``_KNOWN_EMPTY_S`` old: every
+        assignment made since came through ``_hand`` (assignments of another
+        process and a Scheduler rebuild wake the host by id, which forgets what
+        was known). A poll that skipped the read parks no longer
+        than that knowledge lasts, then reads: an assignment this process never
+        heard of (its Scheduler crashed between commit and hand-off) waits at
+        most that long."""
         _check_session(session)
         if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or wait_s < 0:
             raise Invalid("wait_s must be a number >= 0", field="wait_s")
@@ -366,18 +392,27 @@ class ControlPlane:
                     waiter = _Waiter(wanted, session.generation)
                     self._waiters.setdefault(host, {})[woken] = waiter
                     try:
+                        hints.extend(self._take_unhanded(host, wanted))
                         claimed = await self._claim_hinted(session, hints)
+                        known_until = None
                         if claimed is None:
-                            claimed = await self._claim_pending(session, device_ids)
+                            known_until = self._known_empty_until(session, wanted)
+                            if known_until is None:
+                                claimed = await self._claim_pending(session, device_ids)
                         if claimed is not None:
                             return claimed
                         remaining = deadline - loop.time()
                         if remaining <= 0 or not self._accepting:
                             return None
+                        wait = remaining
+                        if known_until is not None:
+                            wait = min(remaining, known_until - loop.time())
                         try:
-                            async with asyncio.timeout(remaining):
+                            async with asyncio.timeout(max(wait, 0.0)):
                                 await woken
                         except TimeoutError:
+                            if wait < remaining:
+                                continue  # what was known expired: read now
                             return None
                         if not self._accepting:
                             return None
@@ -418,15 +453,60 @@ class ControlPlane:
                 return claimed
         return None
 
+    def _take_unhanded(self, host: str, wanted: frozenset[str] | None) -> list[Assignment]:
+        """The host's unhanded assignments this poll may claim (removed)."""
+        kept = self._unhanded.get(host)
+        if not kept:
+            return []
+        mine = [a for a in kept if wanted is None or a.device_id in wanted]
+        if mine:
+            rest = [a for a in kept if not (wanted is None or a.device_id in wanted)]
+            if rest:
+                self._unhanded[host] = rest
+            else:
+                del self._unhanded[host]
+        return mine
+
+    def _known_empty_until(self, session: Session, wanted: frozenset[str] | None) -> float | None:
+        """Until when every device of ``wanted`` is known to have nothing pending
+        (None: not known, read)."""
+        known = self._known_empty.get(session.host_id)
+        if wanted is None or known is None or known[0] != session.generation:
+            return None
+        now = self.loop.time()
+        until = min((known[1].get(d, 0.0) for d in wanted), default=0.0)
+        return until if until > now else None
+
+    def _mark_known_empty(self, session: Session, device_ids: Sequence[str], until: float) -> None:
+        known = self._known_empty.get(session.host_id)
+        if known is None or known[0] != session.generation:
+            if len(self._known_empty) >= 100_000:
+                self._known_empty.clear()
+            known = self._known_empty[session.host_id] = (session.generation, {})
+        for d in device_ids:
+            known[1][d] = until
+
+    def _forget_known(self, host: str, device: str | None = None) -> None:
+        self._forgets += 1
+        if device is None:
+            self._known_empty.pop(host, None)
+            return
+        known = self._known_empty.get(host)
+        if known is not None:
+            known[1].pop(device, None)
+
     async def _claim_pending(self, session: Session, device_ids: Sequence[str]) -> Claimed | None:
         # The oldest few are enough (reading every pending assignment of a host with
         # a thousand of them, for each of its polls, saturated the event loop); the
         # limit also covers those other polls of this process are claiming.
+        read_at, forgets = self.loop.time(), self._forgets
         pending: list[Assignment] = await self._bounded(
             self.repo.session_pending(
                 session, device_ids=device_ids, limit=len(self._claiming) + 16
             )
         )
+        if not pending and device_ids and forgets == self._forgets:
+            self._mark_known_empty(session, device_ids, read_at + _KNOWN_EMPTY_S)
         for a in sorted(pending, key=lambda a: a.claim_deadline):
             key = (a.task_id, a.attempt)
             if key in self._claiming:
@@ -704,8 +784,10 @@ class ControlPlane:
                 continue
             if isinstance(item, tuple):
                 host, device = item
+                self._forget_known(host, device)
                 targets = [f for f, w in self._waiters.get(host, {}).items() if w.may_claim(device)]
             else:
+                self._forget_known(item)
                 targets = list(self._waiters.get(item, {}))
             for woken in targets:
                 self._wake(woken)
@@ -713,13 +795,19 @@ class ControlPlane:
     def _hand(self, a: Assignment) -> None:
         """Give ``a`` to a long-poll that may claim it: one not woken yet if any
         (a woken one may already be claiming another), of the newest session,
-        with the fewest others in hand. With none, a later read finds it."""
+        with the fewest others in hand. With none, the host's next poll takes it
+        (or, past ``_UNHANDED_MAX`` kept, a later read finds it)."""
         candidates = [
             (woken, w)
             for woken, w in self._waiters.get(a.host_id, {}).items()
             if w.may_claim(a.device_id)
         ]
         if not candidates:
+            kept = self._unhanded.setdefault(a.host_id, [])
+            if len(kept) < _UNHANDED_MAX:
+                kept.append(a)
+            else:
+                self._forget_known(a.host_id, a.device_id)
             return
         woken, w = min(candidates, key=lambda c: (c[0].done(), -c[1].generation, len(c[1].hints)))
         w.hints.append(a)

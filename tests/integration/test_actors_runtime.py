@@ -200,6 +200,69 @@ async def test_a_woken_claim_of_a_superseded_session_is_unauthorized(
     assert claimed is not None and claimed.task_id == task_id
 
 
+async def test_an_assignment_made_while_no_poll_waits_is_claimed_by_the_next_poll_without_a_read(
+    counting: ControlPlane, engine: AsyncEngine
+) -> None:
+    cp = counting
+    host = await SimHost.create(cp, cp.repo, "h1")
+    assert await host.claim(wait_s=0.01, device_ids=host.devices) is None
+    assert _reads(cp) == 1
+    task_id = await cp.submit(spec())
+    await _state_is(engine, task_id, "assigned")
+    # No poll was parked: the Scheduler's hand-off kept it for the next one.
+    claimed = await host.claim(wait_s=30, device_ids=host.devices)
+    assert claimed is not None and claimed.task_id == task_id
+    assert _reads(cp) == 1
+
+
+async def test_an_empty_read_is_trusted_briefly_and_forgotten_when_the_host_is_woken(
+    counting: ControlPlane,
+) -> None:
+    cp = counting
+    host = await SimHost.create(cp, cp.repo, "h1")
+    assert await host.claim(wait_s=0.01, device_ids=host.devices) is None
+    assert await host.claim(wait_s=0.01, device_ids=host.devices) is None
+    assert _reads(cp) == 1  # the second poll trusted the first one's empty read
+    # Without naming its devices a poll always reads.
+    assert await host.claim(wait_s=0.01) is None
+    assert _reads(cp) == 2
+    # Another process assigned work to the host (or the Scheduler rebuilt):
+    # what was known is forgotten, the next poll reads.
+    cp.wake_hosts(["h1"])
+    assert await host.claim(wait_s=0.01, device_ids=host.devices) is None
+    assert _reads(cp) == 3
+    # A new session does not inherit what was known of the old one.
+    host.session = await cp.register("h1", host.credential)
+    assert await host.claim(wait_s=0.01, device_ids=host.devices) is None
+    assert _reads(cp) == 4
+
+
+async def test_an_assignment_this_process_never_handed_is_found_once_the_empty_read_expires(
+    engine: AsyncEngine, clock: ManualClock
+) -> None:
+    repo = _CountingRepository(engine, clock, TIMINGS)
+    await repo.add_user("admin", platform_admin=True)
+    await repo.add_project("default", owner="admin")
+    # No Scheduler pass on its own: the assignment below is made behind its back,
+    # as when a Scheduler crashed between its commit and the hand-off.
+    cp = ControlPlane(repo, scheduler_interval_s=3600)
+    await cp.start()
+    try:
+        host = await SimHost.create(cp, repo, "h1")
+        assert await host.claim(wait_s=0.01, device_ids=host.devices) is None
+        assert repo.pending_reads == 1
+        waiting = asyncio.create_task(host.claim(wait_s=60, device_ids=host.devices))
+        await wait_until(lambda: "h1" in cp._waiters, what="the claim to park")
+        assert repo.pending_reads == 1  # parked on the empty read, for a while
+        task_id = await repo.submit(spec())
+        assert [a.task_id for a in await repo.assign()] == [task_id]
+        claimed = await asyncio.wait_for(waiting, 30)
+        assert claimed is not None and claimed.task_id == task_id
+        assert repo.pending_reads == 2
+    finally:
+        await cp.stop()
+
+
 async def test_a_claim_with_nothing_to_do_returns_none_when_its_wait_ends(
     cp: ControlPlane, repo: Repository
 ) -> None:
