@@ -120,6 +120,9 @@ HOST_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 #: SQLSTATEs after which the whole transaction is simply run again: serialization
 #: failure, deadlock, and a refused connection (the transaction never started).
+#: Transitions ``run_many`` runs without a transaction around them (see
+#: ``Repository._run_optimistic``): each only defers its writes.
+_OPTIMISTIC_OPS = frozenset({"claim", "ack", "report_result"})
 RETRY_SQLSTATES = frozenset({"40001", "40P01", "53300", "57P03"})
 TX_ATTEMPTS = 5
 
@@ -166,12 +169,17 @@ class Transition:
 class _Batch:
     """What the transitions of one ``run_many`` transaction share."""
 
-    __slots__ = ("free", "rows", "writes")
+    __slots__ = ("free", "generations", "rows", "writes")
 
     def __init__(
         self, rows: dict[tuple[str, int, str], RowMapping], *, defer_writes: bool = False
     ) -> None:
         self.rows = rows
+        #: The attempt's session generation each task's row was read with: the
+        #: deferred compare-and-set writes only if it is unchanged.
+        self.generations: dict[str, int | None] = {
+            r["task_id"]: r["a_generation"] for r in rows.values()
+        }
         #: Tasks whose device reservation is released at the end of the batch, in
         #: one statement locking devices in (host, device) order, as heartbeats do:
         #: released one by one in task order they deadlocked with heartbeats.
@@ -954,12 +962,14 @@ class Repository:
         if done is None:
             raise Conflict("the task changed underneath", reason="cas_failed", task_id=task_id)
 
-    async def _write_deferred(self, conn: AsyncConnection, batch: _Batch, now: datetime) -> None:
+    async def _write_deferred(
+        self, conn: AsyncConnection, batch: _Batch, now: datetime, *, strict: bool = True
+    ) -> set[str]:
         """A batch's collected compare-and-sets and its device releases, in one
-        statement: a multi-row compare-and-set per shape and the release, each a
-        data-modifying CTE (one round trip for the batch's writes, not one per
-        shape plus one for the release). A row that did not match raises
-        ``_BatchAborted``: the batch is rolled back and run one by one."""
+        statement (``_write_batch_stmt``: one round trip for the batch's writes).
+        Returns the tasks written. ``strict`` (the rows are locked by the batch's
+        read): a row that did not match raises ``_BatchAborted``, the batch is
+        rolled back and run one by one."""
         assert batch.writes is not None
         shapes = sorted(batch.writes)
         params: dict[str, Any] = {}
@@ -967,6 +977,7 @@ class Repository:
             items = batch.writes[shape]
             params[f"v{n}_task_id"] = [i[0] for i in items]
             params[f"v{n}_attempt"] = [i[1] for i in items]
+            params[f"v{n}_generation"] = [batch.generations.get(i[0]) for i in items]
             for prefix, keys, at in (("t_", shape[1], 2), ("a_", shape[2], 3)):
                 table = tasks if prefix == "t_" else attempts
                 for k, is_none in keys:
@@ -981,18 +992,20 @@ class Repository:
             params["task_ids"] = list(batch.free)
             params["now"] = now
         key = ("write_batch", tuple(shapes), release)
-        counts = (
+        rows = (
             await conn.execute(
                 _prebuilt(key, functools.partial(_write_batch_stmt, tuple(shapes), release)),
                 params,
             )
-        ).one()
-        for n, shape in enumerate(shapes):
-            missed = len(batch.writes[shape]) - counts[n]
+        ).all()
+        written = {str(r.task_id) for r in rows if r.task_id is not None}
+        if strict:
+            missed = sum(len(items) for items in batch.writes.values()) - len(written)
             if missed:
                 raise _BatchAborted(f"{missed} compare-and-set(s) failed")
         batch.writes.clear()
         batch.free.clear()
+        return written
 
     # --- claim / ack / renew / progress ------------------------------------------
     async def run_one(self, t: Transition) -> Any:
@@ -1005,6 +1018,10 @@ class Repository:
         rolls back the others (each refuses before writing). They run in task id
         order, so concurrent batches lock rows in one order.
 
+        Claims, acks and results, each task once (the usual batch, and a batch
+        of one), take ``_run_optimistic`` instead: a read and one write, both in
+        autocommit, each written only if its rows are as read.
+
         ``Unavailable`` (the database is down or the commit's fate unknown) is
         every transition's outcome. Any other failure that aborts the shared
         transaction (a compare-and-set that found a written row inconsistent, an
@@ -1012,15 +1029,16 @@ class Repository:
         in a transaction of its own, so only the culprit fails."""
         if not ts:
             return []
+        seen = Counter(t.task_id for t in ts)
+        distinct = len(seen) == len(ts)
+        if distinct and all(t.op in _OPTIMISTIC_OPS for t in ts):
+            return await self._run_optimistic(ts)
         if len(ts) == 1:
             return [await self._outcome(ts[0])]
         order = sorted(range(len(ts)), key=lambda i: ts[i].task_id)
         # One locking read for the batch; a task named twice reads its own row
         # (the first transition may change it).
-        seen = Counter(t.task_id for t in ts)
         keys = [(t.task_id, t.attempt, t.host_id) for t in ts if seen[t.task_id] == 1]
-
-        distinct = len(seen) == len(ts)
 
         async def run(conn: AsyncConnection, now: datetime) -> list[Any]:
             batch = _Batch(await self._load_fenced_many(conn, keys), defer_writes=distinct)
@@ -1048,18 +1066,80 @@ class Repository:
             log.warning("repository.batch_isolated", size=len(ts), error=repr(exc))
         return [await self._outcome(t) for t in ts]
 
+    async def _run_optimistic(self, ts: Sequence[Transition]) -> list[Any]:
+        """Claims, acks and results (each task once) without a transaction
+        around them: two statements, each its own transaction in autocommit.
+
+        The first reads every transition's task, attempt and host row without
+        locking them; each transition fences itself against its row in Python,
+        as in a locked batch (a refusal is its answer: the row was the state at
+        the time of that read), and defers its compare-and-set. The second writes
+        them all (``_write_batch_stmt``), each only if its row is still as read:
+        the task's state and attempt, the attempt open and bound to the session
+        generation read, the attempt row locked first. A pair is written whole or
+        not at all, and whatever one writes does not depend on another. A
+        transition whose row changed in between (an expiry, a reconcile, a
+        cancel won the race) was not written: it runs again in a locked
+        transaction of its own, which gives its precise answer."""
+        keys = [(t.task_id, t.attempt, t.host_id) for t in ts]
+        order = sorted(range(len(ts)), key=lambda i: ts[i].task_id)
+
+        # What the fence phase decided, kept for the answer when the write fails.
+        fenced: dict[str, Any] = {}
+
+        async def run(conn: AsyncConnection, now: datetime) -> tuple[list[Any], set[str], set[str]]:
+            fenced.clear()
+            batch = _Batch(await self._load_fenced_many(conn, keys, lock=False), defer_writes=True)
+            out: list[Any] = [None] * len(ts)
+            for i in order:
+                try:
+                    out[i] = await ts[i].run(conn, now, batch)
+                except RepositoryError as exc:
+                    out[i] = exc
+            assert batch.writes is not None
+            deferred = {item[0] for items in batch.writes.values() for item in items}
+            fenced.update(out=out, deferred=deferred)
+            written: set[str] = set()
+            if deferred:
+                written = await self._write_deferred(conn, batch, now, strict=False)
+            return out, deferred, written
+
+        try:
+            # Both statements on one connection in autocommit (``single_read``
+            # skips BEGIN and COMMIT; a retried run reads again).
+            out, deferred, written = await self._tx("transitions", run, single_read=True)
+        except Unavailable as exc:
+            if not fenced:
+                return [exc] * len(ts)
+            # The write's fate is unknown: so is every deferred transition's.
+            return [
+                exc if t.task_id in fenced["deferred"] else o
+                for t, o in zip(ts, fenced["out"], strict=True)
+            ]
+        except Exception as exc:  # isolated below, one by one
+            log.warning("repository.batch_isolated", size=len(ts), error=repr(exc))
+            if not fenced:
+                return [await self._outcome(t) for t in ts]
+            # The write failed as a whole (one statement): nothing was written.
+            out, deferred, written = fenced["out"], fenced["deferred"], set()
+        for i, t in enumerate(ts):
+            if t.task_id in deferred and t.task_id not in written:
+                out[i] = await self._outcome(t)
+        return out
+
     async def _load_fenced_many(
-        self, conn: AsyncConnection, keys: Sequence[tuple[str, int, str]]
+        self, conn: AsyncConnection, keys: Sequence[tuple[str, int, str]], *, lock: bool = True
     ) -> dict[tuple[str, int, str], RowMapping]:
-        """``_load`` for a batch: (task, attempt, caller's host) rows locked in
-        task id order, in one statement. A key with no row is left out (its
-        transition loads it itself, to raise the precise error)."""
+        """``_load`` for a batch: (task, attempt, caller's host) rows, locked in
+        task id order unless ``lock`` is false, in one statement. A key with no
+        row is left out (its transition loads it itself, to raise the precise
+        error)."""
         if not keys:
             return {}
         rows = (
             (
                 await conn.execute(
-                    _prebuilt("load_many", _load_many_stmt),
+                    _prebuilt(("load_many", lock), functools.partial(_load_many_stmt, lock)),
                     {
                         "k_task_id": [k[0] for k in keys],
                         "k_number": [k[1] for k in keys],
@@ -2822,9 +2902,9 @@ def _load_stmt() -> Any:
     )
 
 
-def _load_many_stmt() -> Any:
+def _load_many_stmt(lock: bool = True) -> Any:
     u = _unnest_params("k", task_id=UUIDT, number=sa.Integer, host_id=sa.Text)
-    return (
+    stmt = (
         sa.select(
             *_FENCE_COLUMNS,
             u.c.host_id.label("k_host_id"),
@@ -2840,8 +2920,8 @@ def _load_many_stmt() -> Any:
             .outerjoin(hosts, hosts.c.host_id == u.c.host_id)
         )
         .order_by(tasks.c.id)
-        .with_for_update(of=[tasks, attempts])
     )
+    return stmt.with_for_update(of=[tasks, attempts]) if lock else stmt
 
 
 def _set_values(table: sa.Table, prefix: str, keys: tuple[tuple[str, bool], ...]) -> dict[str, Any]:
@@ -2885,17 +2965,21 @@ def _update_pairs_cte(
     from_states: tuple[str, ...],
     task_keys: tuple[tuple[str, bool], ...],
     attempt_keys: tuple[tuple[str, bool], ...],
-) -> Any:
-    """``_update_pair_stmt`` for many rows of one shape, as a CTE ``a<n>`` that
-    returns one row per pair written: the values come as arrays
-    (``v<n>_task_id``, ``v<n>_attempt``, ``v<n>_t_<col>``, ``v<n>_a_<col>``;
-    JSON columns as JSON text)."""
+) -> tuple[Any, Any]:
+    """``_update_pair_stmt`` for many rows of one shape, as the CTEs ``t<n>``
+    (tasks written) and ``a<n>`` (their attempts written). The values come as
+    arrays (``v<n>_task_id``, ``v<n>_attempt``, ``v<n>_generation``: the
+    attempt's session generation as read, ``v<n>_t_<col>``, ``v<n>_a_<col>``;
+    JSON columns as JSON text). A pair is written only if the attempt is still
+    open and bound to that generation and the task still in one of
+    ``from_states`` at that attempt, both rows locked (in task id order) before
+    either is written."""
 
     def item_type(table: sa.Table, k: str) -> Any:
         typ = table.c[k].type
         return sa.Text if isinstance(typ, sa.JSON) else typ
 
-    cols: dict[str, Any] = {"task_id": UUIDT, "attempt": sa.Integer}
+    cols: dict[str, Any] = {"task_id": UUIDT, "attempt": sa.Integer, "generation": sa.BigInteger}
     cols.update({f"t_{k}": item_type(tasks, k) for k, is_none in task_keys if not is_none})
     cols.update({f"a_{k}": item_type(attempts, k) for k, is_none in attempt_keys if not is_none})
     v = _unnest_params(f"v{n}", **cols)
@@ -2908,21 +2992,40 @@ def _update_pairs_cte(
         col, typ = source.c[f"{prefix}{k}"], table.c[k].type
         return sa.cast(col, typ) if isinstance(typ, sa.JSON) else col
 
-    a_cols = [f"a_{k}" for k, is_none in attempt_keys if not is_none]
-    t = (
-        tasks.update()
+    carried = [c for c in cols if c.startswith(("t_", "a_"))]
+    locked = (
+        sa.select(v.c.task_id, v.c.attempt, *[v.c[c] for c in carried])
+        .select_from(
+            v.join(
+                attempts,
+                sa.and_(attempts.c.task_id == v.c.task_id, attempts.c.number == v.c.attempt),
+            ).join(tasks, tasks.c.id == v.c.task_id)
+        )
         .where(
-            tasks.c.id == v.c.task_id,
+            attempts.c.ended_at.is_(None),
+            attempts.c.session_generation.is_not_distinct_from(v.c.generation),
             sa.or_(*[tasks.c.status == s for s in from_states]),
             tasks.c.attempt == v.c.attempt,
         )
-        .values({k: value(v, tasks, "t_", k, null) for k, null in task_keys})
+        # Task and attempt rows locked in task id order, as every batch locks them.
+        .order_by(tasks.c.id)
+        .with_for_update(of=[tasks, attempts])
+        .cte(f"l{n}")
+    )
+    a_cols = [c for c in carried if c.startswith("a_")]
+    t = (
+        tasks.update()
+        .where(
+            tasks.c.id == locked.c.task_id,
+            sa.or_(*[tasks.c.status == s for s in from_states]),
+            tasks.c.attempt == locked.c.attempt,
+        )
+        .values({k: value(locked, tasks, "t_", k, null) for k, null in task_keys})
         # The attempt's values ride along, so the statement names the arrays once.
-        .returning(tasks.c.id, v.c.attempt, *[v.c[c] for c in a_cols])
+        .returning(tasks.c.id, locked.c.attempt, *[locked.c[c] for c in a_cols])
         .cte(f"t{n}")
     )
-
-    return (
+    a = (
         attempts.update()
         .where(
             attempts.c.task_id == t.c.id,
@@ -2933,23 +3036,51 @@ def _update_pairs_cte(
         .returning(attempts.c.task_id)
         .cte(f"a{n}")
     )
+    return t, a
 
 
 def _write_batch_stmt(shapes: tuple[Any, ...], release: bool) -> Any:
-    """A ``run_many`` batch's writes as one statement: per shape, the multi-row
+    """A batch's writes as one statement: per shape, the multi-row
     compare-and-set (``_update_pairs_cte``); with ``release``, the device release
-    of ``_release_devices_stmt`` (``task_ids``, ``now``). Returns one row: the
-    pairs written per shape, in order. Every data-modifying CTE runs whether or
-    not the outer query reads it; they touch disjoint rows (each task at most
-    once, reservations and devices apart from tasks and attempts)."""
-    counts = [
-        sa.select(sa.func.count()).select_from(_update_pairs_cte(n, *shape)).scalar_subquery()
-        for n, shape in enumerate(shapes)
-    ]
+    of ``_release_devices_stmt`` (``task_ids``, ``now``) for those of them
+    written. Returns the id of each task written. Every data-modifying CTE runs
+    whether or not the outer query reads it; they touch disjoint rows (each task
+    at most once, reservations and devices apart from tasks and attempts).
+
+    A task row written without its attempt row cannot happen (both rows are
+    locked and checked first); should it, the statement fails (a text that
+    is not a number cast to one) and writes nothing, rather than leave a pair
+    half-written in autocommit."""
+    pairs = [_update_pairs_cte(n, *shape) for n, shape in enumerate(shapes)]
+    written = sa.union_all(*[sa.select(a.c.task_id) for _, a in pairs]).cte("written")
+    tasks_written = sa.union_all(*[sa.select(t.c.id) for t, _ in pairs]).subquery()
+    n_tasks = sa.select(sa.func.count()).select_from(tasks_written).scalar_subquery()
+    n_pairs = sa.select(sa.func.count()).select_from(written).scalar_subquery()
+    guard = sa.cast(
+        sa.case(
+            (n_tasks == n_pairs, sa.literal_column("'0'")),
+            else_=sa.literal_column("'half-written compare-and-set: '") + sa.cast(n_tasks, sa.Text),
+        ),
+        sa.Integer,
+    ).label("guard")
+    # One row at least, so that the guard is evaluated when nothing was written.
+    checked = sa.select(guard).cte("checked")
+    out = sa.select(written.c.task_id, checked.c.guard).select_from(
+        checked.outerjoin(written, sa.true())
+    )
     if release:
-        released = _release_devices_stmt().returning(devices.c.device_id).cte("released")
-        counts.append(sa.select(sa.func.count()).select_from(released).scalar_subquery())
-    return sa.select(*[c.label(f"n{i}") for i, c in enumerate(counts)])
+        freed = (
+            device_reservations.delete()
+            .where(
+                device_reservations.c.task_id == sa.any_(_arr_param("task_ids", UUIDT)),
+                device_reservations.c.task_id.in_(sa.select(written.c.task_id)),
+            )
+            .returning(device_reservations.c.host_id, device_reservations.c.device_id)
+            .cte("freed")
+        )
+        released = _set_device_state_stmt(freed, "busy", "idle").returning(devices.c.device_id)
+        out = out.add_cte(released.cte("released"))
+    return out
 
 
 def _set_device_state_stmt(named: Any, from_state: str, to_state: str) -> Any:

@@ -88,7 +88,8 @@ SLOW_COMMIT = [
         END IF;
         RETURN NULL;
     END $$""",
-    # Deferred: it runs inside COMMIT, after every statement of the transaction.
+    # Deferred: it runs inside the commit (COMMIT, or the end of a statement in
+    # autocommit), after every statement of the transaction.
     """CREATE CONSTRAINT TRIGGER fault_slow_commit AFTER UPDATE OF result_fingerprint
     ON tasks DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
     WHEN (NEW.result_fingerprint IS NOT NULL)
@@ -97,15 +98,14 @@ SLOW_COMMIT = [
 
 
 async def committing_backend(cluster: Cluster) -> int | None:
-    """The pid of a backend sleeping inside the slow COMMIT, if any."""
+    """The pid of a backend sleeping inside the slow commit, if any."""
     assert cluster.engine is not None
     async with cluster.engine.connect() as conn:
         pid = (
             await conn.execute(
-                sa.text(
-                    "SELECT pid FROM pg_stat_activity WHERE wait_event = 'PgSleep' "
-                    "AND query ILIKE 'COMMIT%' LIMIT 1"
-                )
+                # The fault trigger is the only sleeper. The result's commit is a
+                # COMMIT, or the end of its write statement in autocommit.
+                sa.text("SELECT pid FROM pg_stat_activity WHERE wait_event = 'PgSleep' LIMIT 1")
             )
         ).scalar()
     return None if pid is None else int(pid)

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 from actors.groupcommit import RenewBatcher, TransitionBatcher
 from persistence.errors import Conflict, Gone, NotFound, Unauthorized
 from persistence.model import LeaseStatus, Outcome, Session, TaskState
-from persistence.repository import Renewal, Transition
+from persistence.repository import Renewal, Repository, Transition
 from tests.integration.test_repository_support import World, world
 
 __all__ = ["world"]
@@ -206,6 +206,99 @@ async def test_a_batched_write_that_misses_undoes_the_batch_and_each_runs_alone(
     for c in (a, b):
         row = await world.task_row(c.task_id)
         assert (row["status"], row["attempt"]) == ("running", c.attempt)
+
+
+class _Meddling(Repository):
+    """The real repository; ``meddle`` runs in another transaction between a
+    batch's unlocked read and its write (a concurrent expiry, reconcile, ...)."""
+
+    meddle: Callable[[], Any] | None = None
+
+    async def _write_deferred(self, conn: Any, batch: Any, now: Any, *, strict: bool = True) -> Any:
+        if self.meddle is not None:
+            meddle, self.meddle = self.meddle, None
+            await meddle()
+        return await super()._write_deferred(conn, batch, now, strict=strict)
+
+
+async def _sql(world: World, statement: str, **params: Any) -> None:
+    async with world.engine.begin() as conn:
+        await conn.execute(sa.text(statement), params)
+
+
+async def test_a_row_changed_between_the_read_and_the_write_is_not_written_and_runs_alone(
+    world: World,
+) -> None:
+    """Claims, acks and results read their rows unlocked and write them in one
+    later statement, each only if its row is as read. Here the lease of one
+    task expires in between (as the Reaper would): its result is not written
+    over the expiry, it runs again in a locked transaction of its own and gets
+    the expiry's answer; the others are written, and only the written result
+    releases its device."""
+    repo = _Meddling(world.engine, world.clock, world.repo.timings)
+    h1 = await world.host("h1", ["d1", "d2", "d3"])
+    ok, expired = await world.running(h1), await world.running(h1)
+    to_ack = await world.dispatched(h1)
+
+    async def expire() -> None:
+        await _sql(
+            world,
+            "UPDATE tasks SET status = 'retrying' WHERE id = :id",
+            id=expired.task_id,
+        )
+        await _sql(
+            world,
+            "UPDATE attempts SET ended_at = now(), end_reason = 'lease_expired'"
+            " WHERE task_id = :id",
+            id=expired.task_id,
+        )
+
+    repo.meddle = expire
+    out = await repo.run_many(
+        [
+            repo.report_result_op(
+                h1, c.task_id, c.attempt, c.lease_token, outcome=Outcome.DONE, fingerprint="f"
+            )
+            for c in (ok, expired)
+        ]
+        + [repo.ack_op(h1, to_ack.task_id, to_ack.attempt, to_ack.lease_token)]
+    )
+
+    done, late, acked = out
+    assert done.state is TaskState.DONE
+    assert isinstance(late, Conflict) and late.fields["reason"] == "wrong_state"
+    assert acked.state is TaskState.RUNNING
+    assert (await world.task_row(expired.task_id))["status"] == "retrying"
+    (attempt,) = await world.attempt_rows(expired.task_id)
+    assert attempt["end_reason"] == "lease_expired"
+    held = {str(r["task_id"]) for r in await world.reservations()}
+    assert held == {expired.task_id, to_ack.task_id}
+
+
+async def test_an_attempt_rebound_between_the_read_and_the_write_is_not_written(
+    world: World,
+) -> None:
+    """The write checks the attempt's session generation as read: an ack racing
+    a reconcile that bound the attempt to a newer session is not written; run
+    again alone, it is refused as an older session's."""
+    repo = _Meddling(world.engine, world.clock, world.repo.timings)
+    h1 = await world.host("h1", ["d1", "d2"])
+    a, b = await world.dispatched(h1), await world.dispatched(h1)
+
+    async def rebind() -> None:
+        await _sql(
+            world,
+            "UPDATE attempts SET session_generation = session_generation + 1 WHERE task_id = :id",
+            id=b.task_id,
+        )
+
+    repo.meddle = rebind
+    acked_a, acked_b = await repo.run_many(
+        [repo.ack_op(h1, c.task_id, c.attempt, c.lease_token) for c in (a, b)]
+    )
+    assert acked_a.state is TaskState.RUNNING
+    assert isinstance(acked_b, Conflict) and acked_b.fields["reason"] == "session_not_bound"
+    assert (await world.task_row(b.task_id))["status"] == "dispatched"
 
 
 async def test_the_same_task_twice_in_a_batch_runs_in_order(world: World) -> None:
