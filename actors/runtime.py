@@ -648,17 +648,15 @@ class ControlPlane:
 
     # --- user-facing ----------------------------------------------------------------------------
     async def submit(self, spec: TaskSpec) -> str:
-        async with self._request():
-            task_id: str = await self._bounded(self.repo.submit(spec))
-        self._dispatch([self._event(task_id, TaskState.QUEUED, 0, None)])
-        self.supervisor.wake_scheduler()
-        return task_id
+        return (await self.submit_many([spec]))[0]
 
     async def submit_many(self, specs: Sequence[TaskSpec]) -> list[str]:
+        """Submit in one transaction. A repeated request id returns its first task
+        and makes no event (that task has its own history)."""
         async with self._request():
-            ids: list[str] = await self._bounded(self.repo.submit_many(specs))
-        self._dispatch([self._event(t, TaskState.QUEUED, 0, None) for t in ids])
-        if ids:
+            ids, new = await self._bounded(self.repo.submit_many_new(specs))
+        if new:
+            self._dispatch([self._event(t, TaskState.QUEUED, 0, None) for t in ids if t in new])
             self.supervisor.wake_scheduler()
         return ids
 

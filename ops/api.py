@@ -29,6 +29,7 @@ import itertools
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime
 from enum import Enum
 from typing import Any, Protocol
@@ -170,6 +171,7 @@ def project_task(raw: Mapping[str, Any], *, with_attempts: bool = True) -> dict[
     if with_attempts:
         out["payload"] = _plain(raw.get("payload"))
         out["selector"] = _plain(raw.get("selector"))
+        out["request_id"] = _plain(raw.get("request_id"))
         out["attempts"] = [project_attempt(a) for a in (attempts or []) if isinstance(a, Mapping)]
         last = out["attempts"][-1] if out["attempts"] else {}
         out["host_id"] = last.get("host_id")
@@ -532,6 +534,7 @@ class OpsApi:
                 "backoff_cap_s",
                 "project",
                 "count",
+                "request_id",
             ),
         )
         goal = a.text("goal")
@@ -561,10 +564,19 @@ class OpsApi:
             owner=user.name,
             retry=retry,
         )
+        # The idempotency key: a submit repeated with it returns the first task(s).
+        # With a count, task i of the request gets the key "{request_id}#{i}".
+        request_id = a.text("request_id", max_len=100)
+        if request_id is not None and "#" in request_id:
+            raise Invalid("request_id must not contain '#'", field="request_id")
         await self._check_project_role(user, project)
         if count is None:
-            return {"id": await self.cp.submit(spec)}
-        ids = await self.cp.submit_many([spec] * count)
+            return {"id": await self.cp.submit(replace(spec, request_id=request_id))}
+        specs = [
+            replace(spec, request_id=None if request_id is None else f"{request_id}#{i}")
+            for i in range(count)
+        ]
+        ids = await self.cp.submit_many(specs)
         return {"ids": list(ids)}
 
     async def _check_project_role(self, user: User, project: str) -> None:

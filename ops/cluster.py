@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -499,6 +500,8 @@ class Cluster:
                     backoff_base_s=backoff_base_s,
                     backoff_cap_s=max(backoff_base_s, 2.0),
                 ),
+                # A retry after a commit whose reply was lost returns the same task.
+                request_id=uuid.uuid4().hex,
             )
             for _ in range(n)
         ]

@@ -147,6 +147,10 @@ class TaskSpec:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     goal: str | None = None
     workflow: str | None = None
+    # The client's idempotency key: a submit repeated with the same key (by the
+    # same owner) returns the first task instead of making another one, so a
+    # client whose reply was lost may simply submit again.
+    request_id: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -424,7 +424,36 @@ def _check_spec(spec: object) -> dict[str, Any]:
         "workflow": (
             None if spec.workflow is None else _check_str(spec.workflow, "workflow", max_len=1024)
         ),
+        "request_id": _check_request_id(spec.request_id),
     }
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@#/+=-]{0,127}")
+# What a repeated submit must match for its request id to return the first task.
+_SPEC_COLUMNS = (
+    "kind",
+    "goal",
+    "workflow",
+    "payload",
+    "selector",
+    "priority",
+    "project",
+    "max_attempts",
+    "backoff_base_s",
+    "backoff_cap_s",
+)
+
+
+def _check_request_id(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _REQUEST_ID.fullmatch(value):
+        raise Invalid(
+            "request_id must be 1-128 characters: letters, digits and . _ : @ # / + = - "
+            "(starting with a letter or digit)",
+            field="request_id",
+        )
+    return value
 
 
 def _check_devices(snapshot: object) -> list[DeviceSnapshot]:
@@ -600,12 +629,22 @@ class Repository:
         return (await self.submit_many([spec]))[0]
 
     async def submit_many(self, specs: Sequence[TaskSpec]) -> list[str]:
-        """Several submits in one transaction (all or nothing)."""
+        """Several submits in one transaction (all or nothing). A spec with a
+        ``request_id`` its owner used before gets that first task's id, and no
+        new task, if it asks for the same task; ``Conflict`` if not."""
+        return (await self.submit_many_new(specs))[0]
+
+    async def submit_many_new(self, specs: Sequence[TaskSpec]) -> tuple[list[str], set[str]]:
+        """``submit_many``, also saying which of the ids are new tasks (the others
+        are repeated request ids)."""
         if isinstance(specs, str | bytes) or not isinstance(specs, Sequence):
             raise Invalid("specs must be a sequence of TaskSpec", field="specs")
         values = [_check_spec(s) for s in specs]
         if not values:
-            return []
+            return [], set()
+        keys = [(v["owner"], v["request_id"]) for v in values if v["request_id"] is not None]
+        if len(set(keys)) != len(keys):
+            raise Invalid("a request_id is repeated within one submit", field="request_id")
         ids = [str(uuid.uuid4()) for _ in values]
 
         async def run(conn: AsyncConnection, now: datetime) -> list[str]:
@@ -621,11 +660,14 @@ class Repository:
                 }
                 for tid, v in zip(ids, values, strict=True)
             ]
-            await conn.execute(tasks.insert(), rows)
-            return ids
+            if not keys:
+                await conn.execute(tasks.insert(), rows)
+                return ids
+            return await self._submit_keyed(conn, rows)
 
         try:
-            return await self._tx("submit", run)
+            out = await self._tx("submit", run)
+            return out, set(ids).intersection(out)
         except sa.exc.IntegrityError as exc:
             # The foreign keys refused an unknown project or owner (nothing was
             # written): read which, for the precise error. Checking first cost
@@ -640,6 +682,53 @@ class Repository:
         await self._tx("submit_check", which)
         # Both exist now (created since): the caller may submit again.
         raise Unavailable("a project or owner changed during the submit; retry")
+
+    async def _submit_keyed(self, conn: AsyncConnection, rows: list[dict[str, Any]]) -> list[str]:
+        """Insert the rows whose (owner, request id) is new; a row whose key exists
+        takes the existing task's id, if that task was submitted with the same
+        spec (else ``Conflict``, and the transaction writes nothing). A concurrent
+        submit with the same key waits on the unique index, then reads as existing."""
+        stmt = (
+            pg_insert(tasks)
+            .values(rows)
+            .on_conflict_do_nothing(
+                index_elements=[tasks.c.owner, tasks.c.request_id],
+                index_where=tasks.c.request_id.isnot(None),
+            )
+            .returning(tasks.c.id)
+        )
+        inserted = {str(i) for i in (await conn.execute(stmt)).scalars()}
+        repeated = [r for r in rows if r["id"] not in inserted]
+        if not repeated:
+            return [r["id"] for r in rows]
+        pair = sa.tuple_(tasks.c.owner, tasks.c.request_id)
+        found = {
+            (row.owner, row.request_id): row
+            for row in (
+                await conn.execute(
+                    sa.select(
+                        tasks.c.id,
+                        tasks.c.owner,
+                        tasks.c.request_id,
+                        *(tasks.c[c] for c in _SPEC_COLUMNS),
+                    ).where(pair.in_([(r["owner"], r["request_id"]) for r in repeated]))
+                )
+            ).mappings()
+        }
+        ids = {}
+        for r in repeated:
+            first = found.get((r["owner"], r["request_id"]))
+            if first is None:  # pragma: no cover - the conflicting row is committed
+                raise Unavailable("a repeated submit's first task vanished; retry")
+            if any(first[c] != r[c] for c in _SPEC_COLUMNS):
+                raise Conflict(
+                    f"request_id {r['request_id']!r} was used for a different task ({first['id']})",
+                    field="request_id",
+                    task_id=str(first["id"]),
+                )
+            ids[r["id"]] = str(first["id"])
+        log.info("repository.submit_repeated", count=len(ids))
+        return [ids.get(r["id"], r["id"]) for r in rows]
 
     async def _require_names(
         self, conn: AsyncConnection, table: sa.Table, names: set[str], field: str
@@ -2507,6 +2596,7 @@ class Repository:
         async def run(conn: AsyncConnection, now: datetime) -> dict[str, Any]:
             row = await self._authorize_task(conn, tid, user)
             view = self._task_summary(row)
+            view["request_id"] = row["request_id"]
             history = (
                 await conn.execute(
                     sa.select(

@@ -111,6 +111,8 @@ tasks = sa.Table(
     sa.Column("created_at", TS, nullable=False),
     sa.Column("updated_at", TS, nullable=False),
     sa.Column("finished_at", TS),
+    # The submitter's idempotency key (migration 0003), unique per owner.
+    sa.Column("request_id", sa.Text),
     sa.CheckConstraint(f"status IN ({_in(TaskState)})", name="status"),
     sa.CheckConstraint(f"kind IN ({_in(TaskKind)})", name="kind"),
     sa.CheckConstraint("max_attempts >= 1", name="max_attempts"),
@@ -123,6 +125,14 @@ tasks = sa.Table(
     ),
     sa.Index("ix_tasks_status", "status"),
     sa.Index("ix_tasks_owner", "owner"),
+)
+# A repeated submit finds its first task by (owner, request id) (migration 0003).
+sa.Index(
+    "ux_tasks_owner_request",
+    tasks.c.owner,
+    tasks.c.request_id,
+    unique=True,
+    postgresql_where=tasks.c.request_id.isnot(None),
 )
 # The assigner's per-project scan in rank order (migration 0002).
 sa.Index(

@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -44,6 +45,7 @@ from ops.logging import configure_logging
 from transport import wire
 
 SUBMIT_CHUNK = 100
+SUBMIT_RETRY_PAUSE_S = 0.5
 FOLLOW_POLL_S = 0.5
 LOG_PAGE = 1000
 
@@ -192,6 +194,11 @@ def register(sub: Any) -> None:
     p.add_argument("--backoff", type=float, help="retry backoff base in seconds (default 1)")
     p.add_argument("--project", help="project (default: default)")
     p.add_argument("--count", type=positive_int, help="submit N identical tasks")
+    p.add_argument(
+        "--request-id",
+        help="idempotency key: repeating a submit with it returns the first task(s) instead "
+        "of making more (default: a random one, used for the automatic retry)",
+    )
 
     p = cmd("tasks", "list the tasks you may see", cmd_tasks)
     p.add_argument("--state", action="append", choices=TASK_STATES, default=[], help="repeatable")
@@ -288,9 +295,30 @@ def cmd_submit(args: argparse.Namespace) -> int:
         "project": args.project,
     }
     count = args.count or 1
+    request_id = args.request_id or uuid.uuid4().hex
+
+    async def submit(client: OpsClient, **more: Any) -> Any:
+        # With the request id a submit whose reply was lost (a timeout, the
+        # control plane or its database failing over) is safe to send again: it
+        # returns the first task. One automatic retry; then say how to repeat it.
+        for retry in (False, True):
+            try:
+                return await client.call("submit", **request, **more)
+            except OpsError as exc:
+                if exc.code != "unavailable":
+                    raise
+                if retry:
+                    raise OpsError(
+                        f"{exc}; the submit may or may not have been made: repeat it with "
+                        f"--request-id {request_id} to get its task(s) without making more",
+                        exc.exit_code,
+                        exc.code,
+                    ) from None
+                await asyncio.sleep(SUBMIT_RETRY_PAUSE_S)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def single(client: OpsClient) -> None:
-        data = await client.call("submit", **request)
+        data = await submit(client, request_id=request_id)
         if args.json:
             render.print_json(data)
         else:
@@ -301,7 +329,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         with _progress(f"submitting {count} tasks", count) as advance:
             while len(ids) < count:
                 n = min(SUBMIT_CHUNK, count - len(ids))
-                data = await client.call("submit", count=n, **request)
+                # Each chunk its own key; the same chunks on a repeat.
+                data = await submit(client, count=n, request_id=f"{request_id}@{len(ids)}")
                 ids.extend(data["ids"])
                 advance(n)
         if args.json:

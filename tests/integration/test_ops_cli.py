@@ -470,6 +470,28 @@ async def test_submit_count_submits_every_task_in_batches(system: System) -> Non
     assert await system.scalar(sa.select(sa.func.count()).select_from(t.tasks)) == 250
 
 
+async def test_a_submit_repeated_with_its_request_id_returns_the_first_tasks(
+    system: System,
+) -> None:
+    admin = system.admin_token
+    one = await system.submit(admin, "--goal", "once", "--request-id", "deploy-42")
+    assert await system.submit(admin, "--goal", "once", "--request-id", "deploy-42") == one
+    assert (await system.show(one))["request_id"] == "deploy-42"
+
+    argv = ("submit", "--goal", "bulk", "--count", "150", "--request-id", "bulk-7", "--json")
+    first = (await system.cli(*argv, token=admin)).json()["ids"]
+    again = (await system.cli(*argv, token=admin)).json()["ids"]
+    assert again == first and len(set(first)) == 150
+    assert await system.scalar(sa.select(sa.func.count()).select_from(t.tasks)) == 151
+
+    # The same key for another task is refused, and writes nothing.
+    run = await system.cli("submit", "--goal", "twice", "--request-id", "deploy-42", token=admin)
+    assert run.code == 5 and "request_id" in run.err
+    run = await system.cli("submit", "--goal", "x", "--request-id", "a#1", token=admin)
+    assert run.code == 2 and "request_id" in run.err
+    assert await system.scalar(sa.select(sa.func.count()).select_from(t.tasks)) == 151
+
+
 async def test_cancel_of_a_running_task_reaches_the_host_and_ends_cancelled(
     system: System, host: SimHost
 ) -> None:

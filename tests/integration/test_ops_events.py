@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,26 @@ async def test_a_long_poll_is_woken_by_the_next_event(service: ControlPlaneServi
     task_id = await cp.submit(_spec("admin"))
     page = await asyncio.wait_for(poll, WAIT_S)
     assert [e["task_id"] for e in page["events"]][:1] == [task_id]
+
+
+async def test_a_repeated_submit_makes_no_second_queued_event(
+    service: ControlPlaneService,
+) -> None:
+    admin, _ = await _setup(service)
+    api, cp = service.ops, service.control_plane
+    cursor = (await api.handle("events", admin, {}))["next"]
+    keyed = replace(_spec("admin"), request_id="once")
+    first = await cp.submit(keyed)
+    assert await cp.submit(keyed) == first
+    marker = await cp.submit(_spec("admin"))  # the events after it are in the page
+
+    seen: list[dict[str, Any]] = []
+    while not any(e["task_id"] == marker for e in seen):
+        page = await api.handle("events", admin, {"after": cursor, "wait_s": WAIT_S})
+        seen += page["events"]
+        cursor = page["next"]
+    queued = [e["task_id"] for e in seen if e["state"] == "queued"]
+    assert queued.count(first) == 1
 
 
 async def test_a_foreign_cursor_is_a_gap_from_the_present(service: ControlPlaneService) -> None:

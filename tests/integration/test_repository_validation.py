@@ -3,11 +3,12 @@ unknown ids are ``NotFound``, and nothing is half-written in any case."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 
-from persistence.errors import Invalid, NotFound
+from persistence.errors import Conflict, Invalid, NotFound
 from persistence.model import DeviceSnapshot, RetryPolicy, TaskKind, TaskSpec
 from tests.integration.test_repository_support import World, world
 
@@ -47,6 +48,11 @@ def spec(**overrides: Any) -> TaskSpec:
         ({"project": ""}, "project"),
         ({"owner": 7}, "owner"),
         ({"goal": 7}, "goal"),
+        ({"request_id": ""}, "request_id"),
+        ({"request_id": "has space"}, "request_id"),
+        ({"request_id": "-leading-dash"}, "request_id"),
+        ({"request_id": "r" * 129}, "request_id"),
+        ({"request_id": 7}, "request_id"),
     ],
 )
 async def test_a_bad_task_field_is_invalid_names_the_field_and_writes_nothing(
@@ -68,6 +74,73 @@ async def test_submit_many_is_all_or_nothing(world: World) -> None:
 
     assert await world.rows("SELECT id FROM tasks") == []
     assert len(await world.repo.submit_many([spec(), spec()])) == 2
+
+
+# --- the idempotency key ------------------------------------------------------------
+
+
+async def test_a_repeated_request_id_returns_the_first_task_and_makes_no_other(
+    world: World,
+) -> None:
+    # A client whose reply was lost submits again with the same key.
+    first = await world.repo.submit(spec(request_id="r-1", payload={"n": 1}))
+    again = await world.repo.submit(spec(request_id="r-1", payload={"n": 1}))
+    ids, new = await world.repo.submit_many_new([spec(request_id="r-1", payload={"n": 1})])
+
+    assert again == first and ids == [first] and new == set()
+    assert await world.rows("SELECT id::text AS id, request_id FROM tasks") == [
+        {"id": first, "request_id": "r-1"}
+    ]
+
+
+async def test_a_request_id_is_per_owner(world: World) -> None:
+    mine = await world.repo.submit(spec(request_id="same"))
+    theirs = await world.repo.submit(spec(request_id="same", owner="bob", project="p2"))
+
+    assert mine != theirs
+    assert len(await world.rows("SELECT id FROM tasks")) == 2
+
+
+async def test_a_request_id_reused_for_a_different_task_is_a_conflict_and_writes_nothing(
+    world: World,
+) -> None:
+    first = await world.repo.submit(spec(request_id="r-1", priority=1))
+
+    with pytest.raises(Conflict) as err:
+        await world.repo.submit_many([spec(request_id="r-2"), spec(request_id="r-1", priority=2)])
+
+    assert err.value.fields["field"] == "request_id"
+    assert err.value.fields["task_id"] == first
+    assert await world.rows("SELECT id::text AS id FROM tasks") == [{"id": first}]
+
+
+async def test_a_request_id_repeated_within_one_submit_is_invalid(world: World) -> None:
+    with pytest.raises(Invalid) as err:
+        await world.repo.submit_many([spec(request_id="r-1"), spec(request_id="r-1")])
+
+    assert err.value.field == "request_id"
+    assert await world.rows("SELECT id FROM tasks") == []
+
+
+async def test_concurrent_submits_with_one_request_id_make_one_task(world: World) -> None:
+    # The unique index makes the later inserts wait for the first commit, then
+    # read its task: every caller gets the same id.
+    specs = [spec(request_id="burst"), spec(request_id="other")]
+    results = await asyncio.gather(*(world.repo.submit_many(specs) for _ in range(6)))
+
+    assert len({tuple(r) for r in results}) == 1
+    assert len(await world.rows("SELECT id FROM tasks")) == 2
+
+
+async def test_a_batch_mixes_new_and_repeated_request_ids_and_unkeyed_specs(world: World) -> None:
+    first = await world.repo.submit(spec(request_id="a"))
+    ids, new = await world.repo.submit_many_new(
+        [spec(), spec(request_id="a"), spec(request_id="b")]
+    )
+
+    assert ids[1] == first
+    assert new == {ids[0], ids[2]} and len(set(ids)) == 3
+    assert len(await world.rows("SELECT id FROM tasks")) == 3
 
 
 @pytest.mark.parametrize(
