@@ -839,17 +839,24 @@ class Repository:
             if not pending or not free or len(won) >= limit:
                 break
             pairs: list[tuple[Any, Any]] = []
-            used: set[tuple[str, str]] = set()
+            used: set[int] = set()
+            # Devices before ``first`` are all taken: a task without a selector
+            # takes the first one left, without walking past the taken ones again
+            # (with thousands free, that walk was quadratic in the batch).
+            first = 0
             for task in pending:
                 if len(won) + len(pairs) >= limit:
                     break
-                for dev in free:
-                    key = (dev.host_id, dev.device_id)
-                    if key in used:
+                while first in used:
+                    first += 1
+                selector = (task.selector or {}).items()
+                for i in range(first, len(free)):
+                    if i in used:
                         continue
+                    dev = free[i]
                     caps = dev.capabilities or {}
-                    if all(caps.get(k) == v for k, v in (task.selector or {}).items()):
-                        used.add(key)
+                    if all(caps.get(k) == v for k, v in selector):
+                        used.add(i)
                         pairs.append((task, dev))
                         break
             if not pairs:
