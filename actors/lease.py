@@ -48,6 +48,7 @@ log = structlog.get_logger("fleetlease.lease")
 
 class LeaseActor(FleetActor):
     kind = "lease"
+    start_in_background = True
 
     def __init__(self, ctx: Context, assignment: Assignment) -> None:
         super().__init__(ctx)

@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from actors import failpoints
+from actors.lease import LeaseActor
 from actors.messages import Crash, Renew
 from actors.runtime import ControlPlane
 from persistence.clock import ManualClock
@@ -304,6 +305,54 @@ async def test_a_burst_of_submits_is_coalesced_into_a_few_assign_calls(repo: Rep
     finally:
         gate.set()
         await cp.stop()
+
+
+async def test_a_backlog_is_assigned_in_growing_passes(repo: Repository) -> None:
+    # Each pass reads the free devices once; with a backlog the passes grow
+    # (64, 128, 256, ...), so 500 tasks take 4 passes rather than 8.
+    cp = ControlPlane(repo, scheduler_interval_s=3600, assign_batch=64)
+    gate = threading.Event()
+    await cp.start()
+    try:
+        await SimHost.create(cp, repo, "h1", n_devices=500)
+        await wait_until(lambda: cp.metrics.get("assign_calls", 0) >= 1, what="the first pass")
+        failpoints.arm(failpoints.SCHEDULER_BEFORE_ASSIGN, pause=gate)
+        cp.wake_scheduler()
+        await wait_until(lambda: failpoints.paused(failpoints.SCHEDULER_BEFORE_ASSIGN) == 1)
+        before = cp.metrics["assign_calls"]
+        await cp.submit_many([spec() for _ in range(500)])
+        failpoints.disarm(failpoints.SCHEDULER_BEFORE_ASSIGN)  # releases the pass
+        await wait_until(lambda: cp.metrics.get("assigned", 0) >= 500, what="all assigned")
+        await wait_until(lambda: not cp.supervisor._wake_pending, what="the wake-ups drained")
+        assert cp.metrics["assign_calls"] - before <= 5
+        assert len(await repo.pending_assignments("h1")) == 500
+    finally:
+        gate.set()
+        await cp.stop()
+
+
+async def test_a_lease_actor_that_gets_no_thread_refuses_at_once_and_is_replaced(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lease actors start their threads in the background: one that cannot start
+    # answers a retryable error (not a timeout), and the next try starts anew.
+    host = await SimHost.create(cp, repo, "h1")
+    real = pykka.ThreadingActor._start_actor_loop
+
+    def no_thread(self: pykka.ThreadingActor) -> None:
+        if isinstance(self, LeaseActor):
+            raise RuntimeError("can't start new thread")
+        real(self)
+
+    monkeypatch.setattr(pykka.ThreadingActor, "_start_actor_loop", no_thread)
+    task_id = await cp.submit(spec())
+    await _state_is(engine, task_id, "assigned")
+    with pytest.raises(Unavailable):
+        await host.claim()
+
+    monkeypatch.setattr(pykka.ThreadingActor, "_start_actor_loop", real)
+    claimed = await host.claim()
+    assert claimed is not None and claimed.task_id == task_id
 
 
 # --- expiry -------------------------------------------------------------------------------
