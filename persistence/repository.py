@@ -3438,14 +3438,25 @@ def _rank_candidates_stmt() -> Any:
     assignment. The slack (``scan`` = 2n + excluded) covers tasks this
     transaction already holds and those other assigners have locked."""
     now = sa.bindparam("now", type_=tasks.c.eligible_at.type)
-    free_sub = _free_devices_sub().subquery("free")
+    # The distinct capability sets of the free devices, computed once for the
+    # statement: each scanned task is checked against those few sets. Checked
+    # against the free devices themselves, each task's EXISTS walked the
+    # reserved devices (an anti-join probe each) before finding a free one: with
+    # 10,000 devices mostly reserved, one ranking ran for seconds.
+    free_caps = (
+        _free_devices_sub()
+        .with_only_columns(devices.c.capabilities)
+        .distinct()
+        .cte("free_caps")
+        .prefix_with("MATERIALIZED")
+    )
     top = (
         sa.select(tasks.c.id, tasks.c.priority, tasks.c.seq)
         .where(
             tasks.c.project == projects.c.name,
             sa.text("tasks.status IN ('queued', 'retrying')"),
             tasks.c.eligible_at <= now,
-            sa.exists().where(free_sub.c.capabilities.contains(tasks.c.selector)),
+            sa.exists().where(free_caps.c.capabilities.contains(tasks.c.selector)),
         )
         .order_by(tasks.c.priority.desc(), tasks.c.seq)
         .limit(sa.bindparam("scan", type_=sa.Integer))
