@@ -238,6 +238,48 @@ async def test_an_empty_read_is_trusted_briefly_and_forgotten_when_the_host_is_w
     assert _reads(cp) == 4
 
 
+async def test_many_assignments_at_once_are_not_passed_from_poll_to_poll(
+    counting: ControlPlane, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host given many assignments at once: each parked poll holds a couple,
+    the rest wait for the host's next polls, and each is handed about once.
+    (Spread over the parked polls, each claim handed back all the others it
+    held: quadratic, 12 ms of the loop per claim with a thousand.)"""
+    cp = counting
+    n = 40
+    host = await SimHost.create(cp, cp.repo, "h1", n_devices=n)
+    polls = [asyncio.create_task(host.claim(wait_s=60)) for _ in range(2)]
+    await wait_until(
+        lambda: _reads(cp) == 2 and len(cp._waiters.get("h1", {})) == 2,
+        what="both polls to park",
+    )
+    hands = 0
+    hand = cp._hand
+
+    def counting_hand(a: Any) -> None:
+        nonlocal hands
+        hands += 1
+        hand(a)
+
+    monkeypatch.setattr(cp, "_hand", counting_hand)
+    ids = set(await cp.submit_many([spec() for _ in range(n)]))
+
+    async def all_assigned() -> bool:
+        return all([await task_state(engine, t) in ("assigned", "dispatched") for t in ids])
+
+    await wait_until(all_assigned, what="every task assigned")
+    claimed = {c.task_id for c in await asyncio.gather(*polls) if c is not None}
+    assert len(claimed) == 2
+    while len(claimed) < n:
+        c = await host.claim(wait_s=30)
+        assert c is not None and c.task_id not in claimed
+        claimed.add(c.task_id)
+    assert claimed == ids
+    assert _reads(cp) == 2  # every one came through the hand-off
+    assert hands <= 2 * n
+    assert not cp._unhanded.get("h1")
+
+
 async def test_an_assignment_this_process_never_handed_is_found_once_the_empty_read_expires(
     engine: AsyncEngine, clock: ManualClock
 ) -> None:
