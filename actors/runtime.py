@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -123,6 +122,52 @@ _UNHANDED_MAX = 1024
 _HINTS_PER_POLL = 2
 
 
+class _Kept:
+    """A host's assignments no long-poll was parked to take, in the order they
+    were kept, indexed by device: taking a few costs a few, not the whole list
+    (a thousand kept, every poll walked them all)."""
+
+    __slots__ = ("by_device", "order")
+
+    def __init__(self) -> None:
+        self.order: dict[tuple[str, int], Assignment] = {}
+        self.by_device: dict[str, dict[tuple[str, int], Assignment]] = {}
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def add(self, a: Assignment) -> None:
+        key = (a.task_id, a.attempt)
+        self.order[key] = a
+        self.by_device.setdefault(a.device_id, {})[key] = a
+
+    def take(self, wanted: frozenset[str] | None, limit: int) -> list[Assignment]:
+        """At most ``limit`` that a poll for ``wanted`` (None: any device) may
+        claim, the first kept first (removed)."""
+        if limit <= 0 or not self.order:
+            return []
+        mine: list[Assignment] = []
+        if wanted is not None and len(wanted) < len(self.order):
+            for d in wanted:
+                mine.extend(self.by_device.get(d, {}).values())
+            mine.sort(key=lambda a: a.claim_deadline)
+            del mine[limit:]
+        else:
+            for a in self.order.values():
+                if wanted is None or a.device_id in wanted:
+                    mine.append(a)
+                    if len(mine) == limit:
+                        break
+        for a in mine:
+            key = (a.task_id, a.attempt)
+            del self.order[key]
+            on_device = self.by_device[a.device_id]
+            del on_device[key]
+            if not on_device:
+                del self.by_device[a.device_id]
+        return mine
+
+
 @dataclass(eq=False)
 class _Waiter:
     """A parked long-poll: the devices it claims for (None: any device of the
@@ -189,7 +234,7 @@ class ControlPlane:
         self._claiming: set[tuple[str, int]] = set()
         #: New assignments ``_hand`` found no parked long-poll for, per host: the
         #: next poll of the host claims them without a read.
-        self._unhanded: dict[str, list[Assignment]] = {}
+        self._unhanded: dict[str, _Kept] = {}
         #: Per host: the session generation and, per device, until when (loop
         #: time) this process knows the device has no pending assignment that is
         #: not in ``_unhanded`` or in a poll's hands (an empty read, and every
@@ -466,20 +511,13 @@ class ControlPlane:
         self, host: str, wanted: frozenset[str] | None, limit: int
     ) -> list[Assignment]:
         """At most ``limit`` of the host's unhanded assignments this poll may
-        claim, the earliest claim deadlines first (removed)."""
+        claim, the first kept first (removed)."""
         kept = self._unhanded.get(host)
-        if not kept or limit <= 0:
+        if kept is None:
             return []
-        mine = [a for a in kept if wanted is None or a.device_id in wanted]
-        if len(mine) > limit:
-            mine = heapq.nsmallest(limit, mine, key=_claim_deadline)
-        if not mine:
-            return []
-        if len(mine) == len(kept):
+        mine = kept.take(wanted, limit)
+        if not kept:
             del self._unhanded[host]
-        else:
-            taken = {id(a) for a in mine}
-            self._unhanded[host] = [a for a in kept if id(a) not in taken]
         return mine
 
     def _known_empty_until(self, session: Session, wanted: frozenset[str] | None) -> float | None:
@@ -817,9 +855,9 @@ class ControlPlane:
             if len(w.hints) < _HINTS_PER_POLL and w.may_claim(a.device_id)
         ]
         if not candidates:
-            kept = self._unhanded.setdefault(a.host_id, [])
+            kept = self._unhanded.setdefault(a.host_id, _Kept())
             if len(kept) < _UNHANDED_MAX:
-                kept.append(a)
+                kept.add(a)
             else:
                 self._forget_known(a.host_id, a.device_id)
             return
@@ -831,10 +869,6 @@ class ControlPlane:
         if not woken.done():
             woken.set_result(None)
             self._host_wakeups += 1
-
-
-def _claim_deadline(a: Assignment) -> Any:
-    return a.claim_deadline
 
 
 def _with_reply(msg: Message, reply: Reply[Any]) -> Message:
