@@ -76,6 +76,9 @@ __all__ = [
 SERVER_SECRET_LEN = 32
 DEFAULT_WINDOW_S = 30.0
 DEFAULT_REPLAY_CACHE_SIZE = 200_000
+#: Session keys remembered by a verifier (one per live host session; cleared
+#: when full).
+_KEY_CACHE_SIZE = 100_000
 
 _SESSION_DOMAIN = b"fleetlease-session\0"
 _SIG_DOMAIN = b"fleetlease-sig-v1"
@@ -352,14 +355,29 @@ class Verifier:
         self._lock = threading.Lock()
         # (host_id, nonce) -> expiry in ms, and a heap of the same for pruning.
         self._seen: dict[tuple[str, bytes], int] = {}
+        self._keys: dict[tuple[str, int], bytes] = {}
         self._expiry: list[tuple[int, str, bytes]] = []
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._seen)
 
-    def verify_envelope(self, subject: str, env: Envelope, current_generation: int | None) -> None:
-        self.verify(subject, env.auth, env.body, current_generation, msg_type=env.msg.TYPE)
+    def verify_envelope(
+        self,
+        subject: str,
+        env: Envelope,
+        current_generation: int | None,
+        *,
+        subject_host: str | None = None,
+    ) -> None:
+        self.verify(
+            subject,
+            env.auth,
+            env.body,
+            current_generation,
+            msg_type=env.msg.TYPE,
+            subject_host=subject_host,
+        )
 
     def verify(
         self,
@@ -369,17 +387,20 @@ class Verifier:
         current_generation: int | None,
         *,
         msg_type: str,
+        subject_host: str | None = None,
     ) -> None:
         """Raise AuthError unless ``auth`` is a fresh, unreplayed signature by the
-        current session of the host named in ``subject``."""
+        current session of the host named in ``subject`` (``subject_host``: that
+        host, when the caller has parsed the subject already)."""
         if auth is None:
             raise AuthError("message is not signed", reason="missing")
-        try:
-            subject_host = self._subjects.parse_host_subject(subject).host_id
-        except ValueError:
-            raise AuthError(
-                "not a host subject", reason="host_mismatch", code="forbidden"
-            ) from None
+        if subject_host is None:
+            try:
+                subject_host = self._subjects.parse_host_subject(subject).host_id
+            except ValueError:
+                raise AuthError(
+                    "not a host subject", reason="host_mismatch", code="forbidden"
+                ) from None
         if auth.host_id != subject_host:
             raise AuthError(
                 f"host {auth.host_id!r} may not send on {subject_host!r}'s subjects",
@@ -395,13 +416,25 @@ class Verifier:
             raise AuthError("message timestamp too old", reason="stale")
         if auth.ts_ms > now_ms + self._window_ms:
             raise AuthError("message timestamp in the future", reason="future")
-        key = session_key(self._secret, auth.host_id, auth.generation)
+        key = self._session_key(auth.host_id, auth.generation)
         expected = sign(key, subject, body, auth.ts_ms, auth.nonce, msg_type=msg_type)
         if not secrets_equal(expected, auth.signature):
             raise AuthError("bad signature", reason="bad_signature")
         # Recorded only after the signature checks out, so unauthenticated
         # traffic cannot fill the cache.
         self._remember(auth.host_id, auth.nonce, auth.ts_ms + self._window_ms, now_ms)
+
+    def _session_key(self, host_id: str, generation: int) -> bytes:
+        """``session_key``, remembered: it is a pure function of its arguments
+        and the secret, and deriving it for every message was an HMAC each."""
+        k = (host_id, generation)
+        key = self._keys.get(k)
+        if key is None:
+            key = session_key(self._secret, host_id, generation)
+            if len(self._keys) >= _KEY_CACHE_SIZE:
+                self._keys.clear()
+            self._keys[k] = key
+        return key
 
     def check_register_fresh(self, ts_ms: int) -> None:
         """Raise AuthError unless a Register proof's timestamp is within the window

@@ -206,6 +206,10 @@ def _reject_nul(root: object, name: str) -> None:
             stack.extend(value)
 
 
+#: Host messages of exactly (task_id, attempt, lease_token).
+_LEASE_MESSAGES: frozenset[type[wire.Message]] = frozenset({wire.Ack, wire.Renew, wire.CancelPoll})
+
+
 class Server:
     """Serves one control plane on NATS. Several ``Server`` processes may share one
     NATS and one PostgreSQL: every subscription is in a queue group and no state a
@@ -508,7 +512,7 @@ class Server:
             )
         # Signature, freshness and replay first, against the presented
         # generation's key: unauthenticated traffic never reaches the database.
-        self.verifier.verify_envelope(msg.subject, env, auth.generation)
+        self.verifier.verify_envelope(msg.subject, env, auth.generation, subject_host=hs.host_id)
         # Artifact chunks touch no repository transaction before the commit, so
         # they are checked against the database itself, not the cache.
         fresh = isinstance(m, wire.ArtifactChunk)
@@ -533,6 +537,12 @@ class Server:
                 )
             if any("\x00" in line for line in m.lines):
                 m = replace(m, lines=[line.replace("\x00", "\ufffd") for line in m.lines])
+            return m
+        if type(m) in _LEASE_MESSAGES:
+            # A canonical UUID, an int and the token: only the token can hold one
+            # (the general walk below re-encoded the message first, for nothing).
+            if "\x00" in m.lease_token:  # type: ignore[attr-defined]
+                raise wire.DecodeError("nul_character", f"{m.TYPE} contains a NUL character")
             return m
         if isinstance(m, wire.ArtifactChunk):
             _reject_nul(m.name, "name")

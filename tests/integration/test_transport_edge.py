@@ -303,6 +303,13 @@ async def test_text_bound_for_postgresql_with_nul_is_bad_request(edge: Edge) -> 
         fingerprint="f",
     )
     assert await edge.code(res, signer.seal(res, bad_result)) == "bad_request"
+    for subject, msg in (
+        (edge.subjects.renew("ha"), wire.Renew),
+        (edge.subjects.ack("ha"), wire.Ack),
+        (edge.subjects.cancel_poll("ha"), wire.CancelPoll),
+    ):
+        bad_token = msg(task_id=TASK, attempt=1, lease_token="to\x00ken")
+        assert await edge.code(subject, signer.seal(subject, bad_token)) == "bad_request"
     assert [n for n in edge.rec.names() if n != "current_generation"] == []
     await edge.alive()
 
