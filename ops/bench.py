@@ -24,7 +24,8 @@ Everything is measured in one run, on this machine, beside its calibration:
   machine, one clock.
 * **renewals**: ``--renew-leases`` leases held by bare ``HostClient`` hosts and
   renewed as fast as they go (renewals/s, CPU per renewal, commits per renewal),
-  then each once per ``--renew-period-s`` (CPU of the control plane in cores);
+  then each once per ``--renew-period-s`` (CPU of the control plane in cores,
+  and, for comparison, its cores while it holds the leases with no traffic);
   the RSS of the control plane per active lease.
 * **recovery**: with ``--recovery-leases`` of those leases still active, SIGKILL
   the control plane, start it again, and time until every lease has been renewed
@@ -67,6 +68,8 @@ SUBMIT_BATCH = 100
 ZERO = {"sim": {"duration_s": 0}}
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 _TAKE_RETRIES = 5
+#: How long the renewal cell measures the control plane holding its leases idle.
+_IDLE_S = 5.0
 
 
 class BenchError(RuntimeError):
@@ -882,6 +885,11 @@ async def lease_cells(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
         t_lease = time.monotonic() - t_lease
         await asyncio.sleep(1.0)
         rss_full = serve.rss()
+        # What holding the leases costs with no traffic (timers, the watchdog,
+        # the garbage collector), apart from what each renewal costs.
+        cpu0, t0 = serve.cpu_s(), time.monotonic()
+        await asyncio.sleep(_IDLE_S)
+        idle_cores = (serve.cpu_s() - cpu0) / (time.monotonic() - t0)
 
         # Renewals as fast as they go.
         _say(opts, f"renewals: burst for {opts.renew_burst_s:.0f} s")
@@ -933,6 +941,7 @@ async def lease_cells(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             "period_s": period,
             "paced_renewals_per_s": round(len(leases) / paced_wall, 1),
             "paced_control_plane_cpu_cores": round(paced_cpu / paced_wall, 3),
+            "idle_control_plane_cpu_cores": round(idle_cores, 3),
             "paced_round_trip": latency_ms(renew_lat),
         }
 

@@ -210,6 +210,12 @@ def print_report(r: dict[str, Any]) -> None:
             f"control-plane cores, every lease each {rn['period_s']:g} s",
             _f(rn["paced_control_plane_cpu_cores"], "", 3),
         )
+        if "idle_control_plane_cpu_cores" in rn:
+            table.add_row(
+                "",
+                "control-plane cores, leases held idle",
+                _f(rn["idle_control_plane_cpu_cores"], "", 3),
+            )
         table.add_row("", "renew round trip, paced", _lat(rn["paced_round_trip"]))
     rc = r.get("recovery")
     if rc and "error" not in rc:
