@@ -8,14 +8,13 @@ so a malformed message is a ``bad_request`` reply, never a crashed actor.
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from actors.bridge import Reply
 from persistence.errors import Invalid
-from persistence.model import Assignment, LeaseStatus, Outcome, Session, User
+from persistence.model import Assignment, LeaseStatus, Outcome, Session, User, canonical_uuid
 
 
 def _check_int(value: object, name: str, *, minimum: int = 0) -> None:
@@ -33,7 +32,7 @@ def check_task_id(value: object) -> str:
     if not isinstance(value, str):
         raise Invalid("task_id must be a UUID string", field="task_id")
     try:
-        uuid.UUID(value)
+        canonical_uuid(value)
     except ValueError as exc:
         raise Invalid("task_id must be a UUID string", field="task_id") from exc
     return value

@@ -52,7 +52,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -120,6 +120,21 @@ _UNHANDED_MAX = 1024
 #: spread over its few parked polls, and every claim then sorted and handed back
 #: hundreds of them (12 ms of the loop per claim).
 _HINTS_PER_POLL = 2
+
+
+class _InFlight:
+    """See ``ControlPlane._request``."""
+
+    __slots__ = ("_cp",)
+
+    def __init__(self, cp: ControlPlane) -> None:
+        self._cp = cp
+
+    async def __aenter__(self) -> None:
+        self._cp._enter_request()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._cp._exit_request()
 
 
 class _Kept:
@@ -244,6 +259,7 @@ class ControlPlane:
         #: a forget does not mark anything known.
         self._forgets = 0
         self._inflight = 0
+        self._in_flight = _InFlight(self)
         self._idle: asyncio.Event | None = None
         self._accepting = False
         self._started = False
@@ -780,18 +796,23 @@ class ControlPlane:
         except TimeoutError as exc:
             raise Unavailable(f"no answer within {self.ask_timeout_s} s") from exc
 
-    @contextlib.asynccontextmanager
-    async def _request(self) -> AsyncIterator[None]:
+    def _request(self) -> _InFlight:
+        """``async with`` around serving one request: refused once stopping;
+        ``stop`` waits for those in flight. (A class, not an
+        ``asynccontextmanager``: an async generator per request, on every
+        renewal, for a counter.)"""
+        return self._in_flight
+
+    def _enter_request(self) -> None:
         if not self._accepting or self._idle is None:
             raise Unavailable("the control plane is not running")
         self._inflight += 1
         self._idle.clear()
-        try:
-            yield
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
+
+    def _exit_request(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0 and self._idle is not None:
+            self._idle.set()
 
     def _event(self, task_id: str, state: str, attempt: int, host_id: str | None) -> dict[str, Any]:
         return {

@@ -8,9 +8,22 @@ ARCHITECTURE.md and ../shared/spec/model.md.
 from __future__ import annotations
 
 import enum
+import re
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
+
+_CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def canonical_uuid(value: str) -> str:
+    """``value`` as a canonical UUID string (lower case, hyphenated); ValueError if
+    it is none. Canonical input, what every client sends, is returned unparsed:
+    a renewal's task id was parsed three times on its way in."""
+    if _CANONICAL_UUID.fullmatch(value) is not None:
+        return value
+    return str(uuid.UUID(value))
 
 
 class TaskState(enum.StrEnum):

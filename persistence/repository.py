@@ -93,6 +93,7 @@ from persistence.model import (
     TaskSpec,
     TaskState,
     User,
+    canonical_uuid,
 )
 from persistence.secrets import hash_secret, matches, new_token, secrets_equal
 from persistence.tables import (
@@ -370,7 +371,7 @@ def _check_task_id(value: object) -> str:
     if not isinstance(value, str):
         raise Invalid("task_id must be a string", field="task_id")
     try:
-        return str(uuid.UUID(value))
+        return canonical_uuid(value)
     except ValueError:
         raise NotFound("no such task", task_id=value) from None
 
@@ -548,6 +549,25 @@ _FENCE_COLUMNS: list[sa.ColumnElement[Any]] = [
     attempts.c.lease_expires_at.label("a_lease_expires_at"),
     attempts.c.ended_at.label("a_ended_at"),
     attempts.c.end_reason.label("a_end_reason"),
+]
+#: What fencing a renewal and answering it read (not the task's payload, a
+#: JSON document decoded for every renewal otherwise).
+_LEASE_FENCE_COLUMNS: list[sa.ColumnElement[Any]] = [
+    c
+    for c in _FENCE_COLUMNS
+    if c.key
+    in {
+        "task_id",
+        "status",
+        "attempt",
+        "cancel_requested_at",
+        "a_number",
+        "a_host_id",
+        "a_token_hash",
+        "a_generation",
+        "a_ack_deadline",
+        "a_lease_expires_at",
+    }
 ]
 
 
@@ -1224,7 +1244,12 @@ class Repository:
         return out
 
     async def _load_fenced_many(
-        self, conn: AsyncConnection, keys: Sequence[tuple[str, int, str]], *, lock: bool = True
+        self,
+        conn: AsyncConnection,
+        keys: Sequence[tuple[str, int, str]],
+        *,
+        lock: bool = True,
+        lease_only: bool = False,
     ) -> dict[tuple[str, int, str], RowMapping]:
         """``_load`` for a batch: (task, attempt, caller's host) rows, locked in
         task id order unless ``lock`` is false, in one statement. A key with no
@@ -1235,7 +1260,10 @@ class Repository:
         rows = (
             (
                 await conn.execute(
-                    _prebuilt(("load_many", lock), functools.partial(_load_many_stmt, lock)),
+                    _prebuilt(
+                        ("load_many", lock, lease_only),
+                        functools.partial(_load_many_stmt, lock, lease_only),
+                    ),
                     {
                         "k_task_id": [k[0] for k in keys],
                         "k_number": [k[1] for k in keys],
@@ -1511,7 +1539,7 @@ class Repository:
                 for t, r in zip(checked, renewals, strict=True)
                 if isinstance(t, str)
             ]
-            rows = await self._load_fenced_many(conn, sorted(set(keys)))
+            rows = await self._load_fenced_many(conn, sorted(set(keys)), lease_only=True)
             new_expiry = now + timedelta(seconds=self.timings.lease_s)
             out: list[LeaseStatus | Exception | None] = []
             extend: set[tuple[str, int]] = set()
@@ -2999,11 +3027,11 @@ def _load_stmt() -> Any:
     )
 
 
-def _load_many_stmt(lock: bool = True) -> Any:
+def _load_many_stmt(lock: bool = True, lease_only: bool = False) -> Any:
     u = _unnest_params("k", task_id=UUIDT, number=sa.Integer, host_id=sa.Text)
     stmt = (
         sa.select(
-            *_FENCE_COLUMNS,
+            *(_LEASE_FENCE_COLUMNS if lease_only else _FENCE_COLUMNS),
             u.c.host_id.label("k_host_id"),
             hosts.c.session_generation.label("host_generation"),
             hosts.c.revoked_at.label("host_revoked_at"),

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import re
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -34,7 +33,7 @@ from typing import Any, ClassVar, Self, TypeVar, overload
 
 import msgpack
 
-from persistence.model import Outcome, TaskKind, TaskState
+from persistence.model import Outcome, TaskKind, TaskState, canonical_uuid
 from transport.subjects import is_valid_token
 
 VERSION = 1
@@ -197,7 +196,7 @@ class _Reader:
             raise _wrong_type(full, "a string")
         if _UUID_RE.fullmatch(value) is None:
             raise _out_of_range(full, "must be a UUID")
-        return str(uuid.UUID(value))
+        return canonical_uuid(value)
 
     def hex64(self, name: str) -> str:
         full, value = self._get(name, _MISSING)

@@ -109,3 +109,16 @@ def test_raw_lease_tokens_never_appear_in_a_records_repr(record: str) -> None:
     else:
         obj = JournalEntry(task_id="t", attempt=1, lease_token="secret-token")
     assert "secret-token" not in repr(obj)
+
+
+def test_canonical_uuid_returns_canonical_input_as_is_and_normalizes_the_rest() -> None:
+    from persistence.model import canonical_uuid
+
+    c = "0b0e5c52-9a2e-4f58-a7a3-0e0f1b8e2d6a"
+    assert canonical_uuid(c) is c
+    assert canonical_uuid(c.upper()) == c
+    assert canonical_uuid("{" + c + "}") == c
+    assert canonical_uuid(c.replace("-", "")) == c
+    for bad in ("", "not-a-uuid", c[:-1], c + "0", c.replace("a", "g")):
+        with pytest.raises(ValueError):
+            canonical_uuid(bad)
