@@ -926,10 +926,13 @@ async def lease_cells(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             await renew(lease)
             renew_lat.append(time.perf_counter() - t)
 
+        commits0 = await _xact_commit(fleet.db_url)
         cpu0, t0 = serve.cpu_s(), time.monotonic()
         await asyncio.gather(*(paced(i, le, t0) for i, le in enumerate(leases)))
         paced_wall = time.monotonic() - t0
         paced_cpu = serve.cpu_s() - cpu0
+        await asyncio.sleep(1.5)
+        paced_commits = await _xact_commit(fleet.db_url) - commits0
         renewals = {
             "leases": len(leases),
             "lease_and_ack_s": round(t_lease, 2),
@@ -942,6 +945,7 @@ async def lease_cells(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             "paced_renewals_per_s": round(len(leases) / paced_wall, 1),
             "paced_control_plane_cpu_cores": round(paced_cpu / paced_wall, 3),
             "idle_control_plane_cpu_cores": round(idle_cores, 3),
+            "paced_commits_per_renewal": round(paced_commits / max(len(leases), 1), 3),
             "paced_round_trip": latency_ms(renew_lat),
         }
 

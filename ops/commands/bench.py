@@ -217,6 +217,10 @@ def print_report(r: dict[str, Any]) -> None:
                 _f(rn["idle_control_plane_cpu_cores"], "", 3),
             )
         table.add_row("", "renew round trip, paced", _lat(rn["paced_round_trip"]))
+        if "paced_commits_per_renewal" in rn:
+            table.add_row(
+                "", "commits per renewal, paced", _f(rn["paced_commits_per_renewal"], "", 3)
+            )
     rc = r.get("recovery")
     if rc and "error" not in rc:
         table.add_row(

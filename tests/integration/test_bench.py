@@ -93,6 +93,7 @@ def test_bench_with_tiny_sizes_prints_a_report_of_every_cell(
         "burst_commits_per_renewal",
         "paced_control_plane_cpu_cores",
         "idle_control_plane_cpu_cores",
+        "paced_commits_per_renewal",
     ):
         assert key in rn, key
     assert set(rn["paced_round_trip"]) == LATENCY_KEYS
