@@ -21,6 +21,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from ops import eventloop
 from ops.cli import EXIT_DENIED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError
 from ops.config import ConfigError, ensure_state_dir, from_args
 from ops.logging import configure_logging
@@ -115,6 +116,7 @@ def agent_dir(state_dir: Path, host_id: str) -> Path:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
+    eventloop.checked_factory(lambda message: CliError(message, EXIT_USAGE))
     from hostagent.agent import (
         FAILPOINTS_ENV,
         Agent,
@@ -178,7 +180,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise CliError(str(exc), EXIT_USAGE) from None
     try:
         with single_instance(directory, "agent"):
-            asyncio.run(_run(agent))
+            eventloop.run(_run(agent))
     except AlreadyRunning as exc:
         raise CliError(exc.message, EXIT_UNAVAILABLE) from None
     except RegistrationRefused as exc:

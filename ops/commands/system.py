@@ -18,6 +18,7 @@ from typing import Any
 
 import structlog
 
+from ops import eventloop
 from ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError, add_common
 from ops.config import ensure_state_dir, from_args, write_context
 from ops.logging import configure_logging
@@ -121,6 +122,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     the control plane in this process, one local agent with simulated devices as a
     child process, an admin user and a default project; ``--demo`` adds a stream of
     demo tasks in a live table. Ctrl-C stops everything in reverse order."""
+    eventloop.checked_factory(_usage_error)
     settings = from_args(args)
     if args.devices < 0:
         raise CliError("--devices must be 0 or more", EXIT_USAGE)
@@ -150,7 +152,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     web=None if args.web == "off" else args.web,
                 )
                 try:
-                    asyncio.run(system.run())
+                    eventloop.run(system.run())
                 finally:
                     stop.set()
                 _say("fleetlease up: stopped")
@@ -604,6 +606,10 @@ async def run_control_plane(
             uninstall_chaos()
 
 
+def _usage_error(message: str) -> CliError:
+    return CliError(message, EXIT_USAGE)
+
+
 async def _serve_precheck(settings: Any, timeout: float = 10.0) -> None:
     """Reachability of the given servers, bounded: nats-py keeps retrying a
     refused first connect, so ``check_nats`` alone can wait forever."""
@@ -619,6 +625,7 @@ async def _serve_precheck(settings: Any, timeout: float = 10.0) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    eventloop.checked_factory(_usage_error)
     settings = from_args(args)
     configure_logging(debug=settings.debug)
     timings = timings_from_args(args)
@@ -628,10 +635,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         with stop_signals() as stop, Services(settings) as services:
             print(
                 f"fleetlease serve: PostgreSQL {redact(services.database_url)}, "
-                f"NATS {services.nats_url}, prefix {settings.prefix}",
+                f"NATS {services.nats_url}, prefix {settings.prefix}, "
+                f"event loop {eventloop.loop_name()}",
                 flush=True,
             )
-            asyncio.run(
+            eventloop.run(
                 run_control_plane(settings, services, timings, stop, heartbeat_s=args.heartbeat_s)
             )
     except (AlreadyRunning, Unreachable) as exc:
