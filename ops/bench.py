@@ -58,6 +58,7 @@ from typing import Any, TypeVar
 import msgpack
 import psutil
 
+from ops import eventloop
 from ops.bench_transport import _admin, _with_database, pct
 
 T = TypeVar("T")
@@ -1146,8 +1147,9 @@ async def run(opts: BenchOptions) -> dict[str, Any]:
                     "hosts": opts.hosts,
                     "devices_per_host": opts.devices_per_host,
                     "tasks": opts.tasks,
-                    "agents": "in-process (the benchmark process), journals on tmpfs",
-                    "control_plane": "fleetlease serve subprocess",
+                    "agents": "in-process (the benchmark process, standard asyncio loop), "
+                    "journals on tmpfs",
+                    "control_plane": f"fleetlease serve subprocess, {eventloop.loop_name()} loop",
                     "submit": f"user API over NATS, batches of {SUBMIT_BATCH}",
                     "cpus": os.cpu_count(),
                     "embedded": srv.embedded,
