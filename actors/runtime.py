@@ -158,7 +158,8 @@ class _Kept:
 
     def take(self, wanted: frozenset[str] | None, limit: int) -> list[Assignment]:
         """At most ``limit`` that a poll for ``wanted`` (None: any device) may
-        claim, the first kept first (removed)."""
+        claim, removed: the first kept first, or, for a poll naming fewer
+        devices than are kept, the earliest claim deadlines of its devices."""
         if limit <= 0 or not self.order:
             return []
         mine: list[Assignment] = []
