@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
+import asyncpg
 import sqlalchemy as sa
 import structlog
 from sqlalchemy.dialects.postgresql import ARRAY, UUID
@@ -638,6 +639,60 @@ class Repository:
                     ) from exc
                 raise
             except (OSError, TimeoutError, sa.exc.TimeoutError) as exc:
+                raise Unavailable(f"database unavailable during {op}", op=op) from exc
+        raise Unavailable(f"database kept aborting {op}", op=op)  # pragma: no cover
+
+    async def _raw(self, op: str, fn: Callable[[Any, datetime], Awaitable[T]]) -> T:
+        """``_tx``'s contract for ``fn`` run on the driver's (asyncpg) connection
+        itself, in autocommit: each statement is its own transaction, with no
+        BEGIN or COMMIT round trip and no SQLAlchemy execution around it (the
+        renewal's hot path). A failure that may have broken the connection
+        discards it rather than return it to the pool."""
+        for attempt in range(1, TX_ATTEMPTS + 1):
+            try:
+                async with self.engine.connect() as conn:
+                    raw = (await conn.get_raw_connection()).driver_connection
+                    try:
+                        return await fn(raw, self.clock.now())
+                    except RepositoryError:
+                        raise
+                    except asyncpg.PostgresError as exc:
+                        if isinstance(exc, asyncpg.PostgresConnectionError):
+                            await conn.invalidate()
+                        raise
+                    except BaseException:
+                        # Lost, or a statement cut short: its state is unknown.
+                        await conn.invalidate()
+                        raise
+            except RepositoryError:
+                raise
+            except asyncpg.PostgresError as exc:
+                state = exc.sqlstate
+                if state in RETRY_SQLSTATES and attempt < TX_ATTEMPTS:
+                    log.info("repository.tx_retry", op=op, sqlstate=state, attempt=attempt)
+                    await asyncio.sleep(random.uniform(0, 0.01 * 2**attempt))
+                    continue
+                if (
+                    isinstance(exc, asyncpg.PostgresConnectionError)
+                    or state in RETRY_SQLSTATES
+                    or (state or "").startswith(("08", "53", "57"))
+                ):
+                    raise Unavailable(
+                        f"database unavailable during {op}", op=op, sqlstate=state
+                    ) from exc
+                raise
+            except (
+                asyncpg.InterfaceError,
+                asyncpg.InternalClientError,  # e.g. a connection the server closed
+                OSError,
+                TimeoutError,
+            ) as exc:
+                raise Unavailable(f"database unavailable during {op}", op=op) from exc
+            except sa.exc.DBAPIError as exc:  # taking a connection from the pool
+                raise Unavailable(
+                    f"database unavailable during {op}", op=op, sqlstate=_sqlstate(exc)
+                ) from exc
+            except sa.exc.TimeoutError as exc:
                 raise Unavailable(f"database unavailable during {op}", op=op) from exc
         raise Unavailable(f"database kept aborting {op}", op=op)  # pragma: no cover
 
@@ -1516,8 +1571,15 @@ class Repository:
         return result
 
     async def renew_many(self, renewals: Sequence[Renewal]) -> list[LeaseStatus | Exception]:
-        """Many renewals in one transaction; each entry gets its own outcome (an
-        error for one never rolls back the others)."""
+        """Many renewals at once; each entry gets its own outcome (an error for
+        one never rolls back the others).
+
+        The usual batch takes two statements in autocommit on the driver's
+        connection (``_renew_unlocked``): an unlocked read that every renewal
+        fences itself against, and one conditional write of the running leases
+        it accepted. A renewal the read cannot decide (no such row) or whose row
+        changed before the write runs again in a locked transaction
+        (``_renew_locked``), which gives its precise answer."""
         if isinstance(renewals, str | bytes) or not isinstance(renewals, Sequence):
             raise Invalid("renewals must be a sequence of Renewal", field="renewals")
         checked: list[str | Exception] = []
@@ -1530,8 +1592,125 @@ class Repository:
                 )
             except RepositoryError as exc:
                 checked.append(exc)
-        if not renewals:
-            return []
+        out: list[LeaseStatus | Exception | None] = [
+            c if isinstance(c, Exception) else None for c in checked
+        ]
+        todo = [i for i, c in enumerate(checked) if isinstance(c, str)]
+        if todo:
+            await self._renew_unlocked(renewals, checked, todo, out)
+        rest = [i for i in todo if out[i] is None]
+        if rest:
+            try:
+                again = await self._renew_locked(
+                    [renewals[i] for i in rest], [checked[i] for i in rest]
+                )
+            except Unavailable as exc:
+                again = [exc] * len(rest)
+            for i, o in zip(rest, again, strict=True):
+                out[i] = o
+        return [o if o is not None else RuntimeError("renewal without outcome") for o in out]
+
+    async def _renew_unlocked(
+        self,
+        renewals: Sequence[Renewal],
+        checked: Sequence[str | Exception],
+        todo: Sequence[int],
+        out: list[LeaseStatus | Exception | None],
+    ) -> None:
+        """Decide what the unlocked read can (see ``renew_many``), in ``out``.
+
+        The read is a committed state: a refusal fenced against it is that
+        renewal's answer, and so is a dispatched lease's unchanged deadline (no
+        write). A running lease is extended by the write only if its rows are
+        still as read: the attempt open, bound to the session generation read
+        and not expired, the task running at that attempt (both rows locked, in
+        task id order, as every batch locks them), and the host's session that
+        generation and not revoked."""
+
+        # What the read decided, kept when the write's fate is unknown.
+        before_write: dict[int, LeaseStatus | Exception] = {}
+
+        async def run(conn: Any, now: datetime) -> dict[int, LeaseStatus | Exception]:
+            before_write.clear()
+            rows = {
+                (r["task_id"], r["a_number"], r["k_host_id"]): r
+                for r in await conn.fetch(
+                    _RENEW_READ_SQL,
+                    [checked[i] for i in todo],
+                    [renewals[i].attempt for i in todo],
+                    [renewals[i].session.host_id for i in todo],
+                )
+            }
+            decided: dict[int, LeaseStatus | Exception] = {}
+            extend: dict[tuple[str, int], tuple[int, list[tuple[int, Any]]]] = {}
+            for i in todo:
+                r, tid = renewals[i], checked[i]
+                assert isinstance(tid, str)
+                row = rows.get((tid, r.attempt, r.session.host_id))
+                if row is None:
+                    continue  # the locked path decides (a wrong attempt or task)
+                try:
+                    if not _session_ok(r.session, row["host_generation"], row["host_revoked_at"]):
+                        raise _unauthorized(r.session)
+                    self._fence_lease(row, r.session, r.attempt, r.lease_token)
+                    deadline = self._deadline(row)
+                    if not deadline > now:
+                        raise Conflict("the lease has expired", reason="lease_expired", task_id=tid)
+                    if row["status"] == TaskState.RUNNING.value:
+                        # Answered once written (the same lease twice: both).
+                        extend.setdefault((tid, r.attempt), (r.session.generation, []))[1].append(
+                            (i, row)
+                        )
+                    else:
+                        decided[i] = self._status(row, row["status"], deadline)
+                except RepositoryError as exc:
+                    decided[i] = exc
+            if not extend:
+                return decided
+            keys = sorted(extend)
+            new_expiry = now + timedelta(seconds=self.timings.lease_s)
+            before_write.clear()
+            before_write.update(decided)
+            written = await self._extend_unlocked(
+                conn, keys, [extend[k][0] for k in keys], now, new_expiry
+            )
+            for k in written:
+                for i, row in extend[k][1]:
+                    decided[i] = self._status(row, TaskState.RUNNING.value, new_expiry)
+            return decided
+
+        try:
+            decided = await self._raw("renew", run)
+        except Unavailable as exc:
+            # Nothing is decided without the read; a refusal it gave stands; the
+            # write's fate is unknown.
+            decided = {i: before_write.get(i, exc) for i in todo}
+        for i, o in decided.items():
+            out[i] = o
+
+    async def _extend_unlocked(
+        self,
+        conn: Any,
+        keys: Sequence[tuple[str, int]],
+        generations: Sequence[int],
+        now: datetime,
+        new_expiry: datetime,
+    ) -> list[tuple[str, int]]:
+        """``_RENEW_WRITE_SQL``: the (task, attempt) leases it extended."""
+        rows = await conn.fetch(
+            _RENEW_WRITE_SQL,
+            [k[0] for k in keys],
+            [k[1] for k in keys],
+            list(generations),
+            now,
+            new_expiry,
+        )
+        return [(r["task_id"], r["number"]) for r in rows]
+
+    async def _renew_locked(
+        self, renewals: Sequence[Renewal], checked: Sequence[str | Exception]
+    ) -> list[LeaseStatus | Exception]:
+        """Renewals in one locked transaction (``renew_many``'s slow path)."""
 
         async def run(conn: AsyncConnection, now: datetime) -> list[LeaseStatus | Exception]:
             keys = [
@@ -3392,6 +3571,51 @@ def _free_devices_sub(*, caps_text: bool = False) -> Any:
             ~reserved,
         )
     )
+
+
+#: ``_renew_unlocked``'s read: each renewal's task, attempt and host rows (the
+#: columns of ``_LEASE_FENCE_COLUMNS``), unlocked. Hand-written SQL: it runs on
+#: the driver's connection, as asyncpg's own prepared statement.
+_RENEW_READ_SQL = """
+SELECT t.id::text AS task_id, t.status, t.attempt, t.cancel_requested_at,
+       a.number AS a_number, a.host_id AS a_host_id, a.lease_token_hash AS a_token_hash,
+       a.session_generation AS a_generation, a.ack_deadline AS a_ack_deadline,
+       a.lease_expires_at AS a_lease_expires_at,
+       k.host_id AS k_host_id, h.session_generation AS host_generation,
+       h.revoked_at AS host_revoked_at
+FROM unnest($1::uuid[], $2::integer[], $3::text[]) AS k (task_id, number, host_id)
+JOIN attempts a ON a.task_id = k.task_id AND a.number = k.number
+JOIN tasks t ON t.id = a.task_id
+LEFT JOIN hosts h ON h.host_id = k.host_id
+"""
+
+#: ``_renew_unlocked``'s write: the leases ($1 task ids, $2 attempt numbers, $3
+#: session generations as read) extended to $5, each only if still as read at
+#: $4: attempt open, bound to that generation, not expired; task running at
+#: that attempt (task and attempt rows locked in task id order, as every batch
+#: locks them); the host's session that generation and not revoked.
+_RENEW_WRITE_SQL = """
+WITH l AS (
+    SELECT a.task_id, a.number
+    FROM unnest($1::uuid[], $2::integer[], $3::integer[]) AS v (task_id, number, generation)
+    JOIN attempts a ON a.task_id = v.task_id AND a.number = v.number
+    JOIN tasks t ON t.id = v.task_id
+    JOIN hosts h ON h.host_id = a.host_id
+    WHERE a.ended_at IS NULL
+      AND a.session_generation = v.generation
+      AND a.lease_expires_at > $4
+      AND t.status = 'running'
+      AND t.attempt = v.number
+      AND h.session_generation = v.generation
+      AND h.revoked_at IS NULL
+    ORDER BY t.id
+    FOR UPDATE OF t, a
+)
+UPDATE attempts a SET lease_expires_at = $5
+FROM l
+WHERE a.task_id = l.task_id AND a.number = l.number
+RETURNING a.task_id::text AS task_id, a.number
+"""
 
 
 def _extend_leases_stmt() -> Any:

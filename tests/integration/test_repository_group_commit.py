@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import sqlalchemy as sa
 from structlog.testing import capture_logs
 
 from actors.groupcommit import RenewBatcher, TransitionBatcher
-from persistence.errors import Conflict, Gone, NotFound, Unauthorized
+from persistence.errors import Conflict, Gone, NotFound, Unauthorized, Unavailable
 from persistence.model import LeaseStatus, Outcome, Session, TaskState
 from persistence.repository import Renewal, Repository, Transition
 from tests.integration.test_repository_support import World, world
@@ -388,3 +389,151 @@ async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     while not cond():
         assert loop.time() < deadline, "condition not met in time"
         await asyncio.sleep(0.001)
+
+
+# --- renewals: an unlocked read, then one conditional write -------------------------
+
+
+class _MeddlingRenewals(Repository):
+    """The real repository; ``meddle(conn)`` runs between a renewal batch's
+    unlocked read and its write (``conn``: the driver connection the batch
+    runs on), and the paths the batch took are counted."""
+
+    meddle: Callable[[Any], Any] | None = None
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.unlocked_writes = 0
+        self.locked_runs = 0
+
+    async def _extend_unlocked(self, conn: Any, *args: Any) -> Any:
+        self.unlocked_writes += 1
+        if self.meddle is not None:
+            meddle, self.meddle = self.meddle, None
+            await meddle(conn)
+        return await super()._extend_unlocked(conn, *args)
+
+    async def _renew_locked(self, *args: Any) -> Any:
+        self.locked_runs += 1
+        return await super()._renew_locked(*args)
+
+
+def _renewals(session: Session, *leases: Any) -> list[Renewal]:
+    return [
+        Renewal(session=session, task_id=c.task_id, attempt=c.attempt, lease_token=c.lease_token)
+        for c in leases
+    ]
+
+
+async def _expiry(world: World, task_id: str) -> Any:
+    (attempt,) = await world.attempt_rows(task_id)
+    return attempt["lease_expires_at"]
+
+
+async def test_a_batch_of_renewals_is_one_read_and_one_write_without_a_locked_transaction(
+    world: World,
+) -> None:
+    repo = _MeddlingRenewals(world.engine, world.clock, world.repo.timings)
+    h1 = await world.host("h1", ["d1", "d2", "d3"])
+    a, b = await world.running(h1), await world.running(h1)
+    waiting = await world.dispatched(h1)
+    world.clock.advance(5)
+
+    out = await repo.renew_many(_renewals(h1, a, b, waiting, a))
+
+    assert (repo.unlocked_writes, repo.locked_runs) == (1, 0)
+    expiry = world.clock.now() + timedelta(seconds=30)
+    assert [(s.state, s.lease_expires_at) for s in out] == [
+        (TaskState.RUNNING, expiry),
+        (TaskState.RUNNING, expiry),
+        (TaskState.DISPATCHED, waiting.ack_deadline),
+        (TaskState.RUNNING, expiry),
+    ]
+    assert [await _expiry(world, c.task_id) for c in (a, b)] == [expiry, expiry]
+
+
+async def test_a_lease_that_expired_between_the_read_and_the_write_is_not_extended(
+    world: World,
+) -> None:
+    """The Reaper expires one lease after the batch read it: the write leaves
+    that attempt alone, the renewal runs again locked and gets the expiry's
+    answer, and the other renewal of the batch is written."""
+    repo = _MeddlingRenewals(world.engine, world.clock, world.repo.timings)
+    h1 = await world.host("h1", ["d1", "d2"])
+    ok, late = await world.running(h1), await world.running(h1)
+    before = await _expiry(world, late.task_id)
+
+    async def expire(conn: Any) -> None:
+        await _sql(world, "UPDATE tasks SET status = 'retrying' WHERE id = :id", id=late.task_id)
+        await _sql(
+            world,
+            "UPDATE attempts SET ended_at = now(), end_reason = 'lease_expired'"
+            " WHERE task_id = :id",
+            id=late.task_id,
+        )
+
+    repo.meddle = expire
+    renewed, refused = await repo.renew_many(_renewals(h1, ok, late))
+
+    assert renewed.state is TaskState.RUNNING
+    assert isinstance(refused, Conflict) and refused.fields["reason"] == "wrong_state"
+    assert repo.locked_runs == 1
+    assert await _expiry(world, late.task_id) == before
+
+
+async def test_a_deadline_passed_or_a_session_replaced_before_the_write_extends_nothing(
+    world: World,
+) -> None:
+    """Between the read and the write, one lease's deadline passes and the
+    other's host gets a new session: neither lease is extended by the write;
+    run again locked, the first is expired and the second is no longer the
+    current session's."""
+    repo = _MeddlingRenewals(world.engine, world.clock, world.repo.timings)
+    h1, h2 = await world.host("h1", ["d1"]), await world.host("h2", ["d2"])
+    a, b = await world.running(h1), await world.running(h2)
+    before = await _expiry(world, b.task_id)
+    world.clock.advance(5)
+
+    async def meddle(conn: Any) -> None:
+        await _sql(
+            world,
+            "UPDATE attempts SET lease_expires_at = :t WHERE task_id = :id",
+            t=world.clock.now(),
+            id=a.task_id,
+        )
+        await world.repo.register_session("h2", world.credentials["h2"])
+
+    repo.meddle = meddle
+    expired, stale = await repo.renew_many(_renewals(h1, a) + _renewals(h2, b))
+
+    assert isinstance(expired, Conflict) and expired.fields["reason"] == "lease_expired"
+    assert isinstance(stale, Unauthorized)
+    assert (repo.unlocked_writes, repo.locked_runs) == (1, 1)
+    assert await _expiry(world, a.task_id) == world.clock.now()
+    assert await _expiry(world, b.task_id) == before
+
+
+async def test_a_connection_lost_before_the_write_answers_unavailable_and_keeps_refusals(
+    world: World,
+) -> None:
+    """The batch's connection is killed between the read and the write: the
+    lease to extend gets ``Unavailable`` (its fate unknown), a renewal the read
+    refused keeps its refusal, the broken connection is not reused and the
+    next batch is served."""
+    repo = _MeddlingRenewals(world.engine, world.clock, world.repo.timings)
+    h1 = await world.host("h1", ["d1", "d2"])
+    a, b = await world.running(h1), await world.running(h1)
+
+    async def kill(conn: Any) -> None:
+        await _sql(world, "SELECT pg_terminate_backend(:pid)", pid=conn.get_server_pid())
+
+    repo.meddle = kill
+    bad_token = Renewal(session=h1, task_id=b.task_id, attempt=1, lease_token="not the token")
+    lost, refused = await repo.renew_many([*_renewals(h1, a), bad_token])
+
+    assert isinstance(lost, Unavailable)
+    assert isinstance(refused, Conflict) and refused.fields["reason"] == "wrong_lease"
+    world.clock.advance(1)
+    for _ in range(3):  # whichever pooled connection each batch takes
+        (again,) = await repo.renew_many(_renewals(h1, a))
+        assert again.lease_expires_at == world.clock.now() + timedelta(seconds=30)

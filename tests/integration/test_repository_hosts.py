@@ -312,7 +312,7 @@ async def test_progress_counts_as_renewal_and_its_sequence_only_grows(world: Wor
     assert (await world.task_row(c.task_id))["progress_seq"] == 5
 
 
-async def test_renew_many_gives_each_renewal_its_own_outcome_in_one_transaction(
+async def test_renew_many_gives_each_renewal_its_own_outcome(
     world: World,
 ) -> None:
     from persistence.repository import Renewal
