@@ -21,7 +21,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from ops import eventloop
+from ops import eventloop, interpreter
 from ops.cli import EXIT_DENIED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError
 from ops.config import ConfigError, ensure_state_dir, from_args
 from ops.logging import configure_logging
@@ -180,6 +180,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise CliError(str(exc), EXIT_USAGE) from None
     try:
         with single_instance(directory, "agent"):
+            interpreter.tune()
             eventloop.run(_run(agent))
     except AlreadyRunning as exc:
         raise CliError(exc.message, EXIT_UNAVAILABLE) from None

@@ -16,6 +16,7 @@ import signal
 import sys
 from typing import Any
 
+from ops import interpreter
 from ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError
 
 
@@ -96,6 +97,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # scratch databases of the run are cleaned up (killed with the default
     # action, the bench left its serve running and holding 40 connections).
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # The in-process agents get what `fleetlease agent` processes get.
+    interpreter.tune()
     try:
         report = asyncio.run(run(opts))
     except BenchError as exc:

@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from ops import eventloop
+from ops import eventloop, interpreter
 from ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError, add_common
 from ops.config import ensure_state_dir, from_args, write_context
 from ops.logging import configure_logging
@@ -152,6 +152,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     web=None if args.web == "off" else args.web,
                 )
                 try:
+                    interpreter.tune()
                     eventloop.run(system.run())
                 finally:
                     stop.set()
@@ -639,6 +640,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 f"event loop {eventloop.loop_name()}",
                 flush=True,
             )
+            interpreter.tune()
             eventloop.run(
                 run_control_plane(settings, services, timings, stop, heartbeat_s=args.heartbeat_s)
             )
