@@ -120,11 +120,11 @@ MAX_INT32 = 2**31 - 1
 MAX_BACKOFF_S = 7 * 24 * 3600.0
 HOST_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-#: SQLSTATEs after which the whole transaction is simply run again: serialization
-#: failure, deadlock, and a refused connection (the transaction never started).
 #: Transitions ``run_many`` runs without a transaction around them (see
 #: ``Repository._run_optimistic``): each only defers its writes.
 _OPTIMISTIC_OPS = frozenset({"claim", "ack", "report_result"})
+#: SQLSTATEs after which the whole transaction is simply run again: serialization
+#: failure, deadlock, and a refused connection (the transaction never started).
 RETRY_SQLSTATES = frozenset({"40001", "40P01", "53300", "57P03"})
 TX_ATTEMPTS = 5
 
@@ -585,6 +585,16 @@ def _unauthorized(session: Session) -> Unauthorized:
     return Unauthorized("session is not current", host_id=session.host_id)
 
 
+async def _may_retry(op: str, state: str | None, attempt: int) -> bool:
+    """After a failed ``attempt``: wait a little and say True when the whole
+    transaction should simply run again (``RETRY_SQLSTATES``, attempts left)."""
+    if state not in RETRY_SQLSTATES or attempt >= TX_ATTEMPTS:
+        return False
+    log.info("repository.tx_retry", op=op, sqlstate=state, attempt=attempt)
+    await asyncio.sleep(random.uniform(0, 0.01 * 2**attempt))
+    return True
+
+
 class Repository:
     def __init__(
         self,
@@ -623,9 +633,7 @@ class Repository:
                 raise
             except sa.exc.DBAPIError as exc:
                 state = _sqlstate(exc)
-                if state in RETRY_SQLSTATES and attempt < TX_ATTEMPTS:
-                    log.info("repository.tx_retry", op=op, sqlstate=state, attempt=attempt)
-                    await asyncio.sleep(random.uniform(0, 0.01 * 2**attempt))
+                if await _may_retry(op, state, attempt):
                     continue
                 if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError) or (
                     exc.connection_invalidated or state in RETRY_SQLSTATES
@@ -668,9 +676,7 @@ class Repository:
                 raise
             except asyncpg.PostgresError as exc:
                 state = exc.sqlstate
-                if state in RETRY_SQLSTATES and attempt < TX_ATTEMPTS:
-                    log.info("repository.tx_retry", op=op, sqlstate=state, attempt=attempt)
-                    await asyncio.sleep(random.uniform(0, 0.01 * 2**attempt))
+                if await _may_retry(op, state, attempt):
                     continue
                 if (
                     isinstance(exc, asyncpg.PostgresConnectionError)
@@ -689,8 +695,11 @@ class Repository:
             ) as exc:
                 raise Unavailable(f"database unavailable during {op}", op=op) from exc
             except sa.exc.DBAPIError as exc:  # taking a connection from the pool
+                state = _sqlstate(exc)
+                if await _may_retry(op, state, attempt):
+                    continue
                 raise Unavailable(
-                    f"database unavailable during {op}", op=op, sqlstate=_sqlstate(exc)
+                    f"database unavailable during {op}", op=op, sqlstate=state
                 ) from exc
             except sa.exc.TimeoutError as exc:
                 raise Unavailable(f"database unavailable during {op}", op=op) from exc
@@ -1650,12 +1659,7 @@ class Repository:
                 if row is None:
                     continue  # the locked path decides (a wrong attempt or task)
                 try:
-                    if not _session_ok(r.session, row["host_generation"], row["host_revoked_at"]):
-                        raise _unauthorized(r.session)
-                    self._fence_lease(row, r.session, r.attempt, r.lease_token)
-                    deadline = self._deadline(row)
-                    if not deadline > now:
-                        raise Conflict("the lease has expired", reason="lease_expired", task_id=tid)
+                    deadline = self._fence_renewal(row, r, now)
                     if row["status"] == TaskState.RUNNING.value:
                         # Answered once written (the same lease twice: both).
                         extend.setdefault((tid, r.attempt), (r.session.generation, []))[1].append(
@@ -1687,6 +1691,17 @@ class Repository:
             decided = {i: before_write.get(i, exc) for i in todo}
         for i, o in decided.items():
             out[i] = o
+
+    def _fence_renewal(self, row: Any, r: Renewal, now: datetime) -> datetime:
+        """Fence a renewal against its rows (session, token, owner, attempt,
+        state, deadline): its lease's current deadline, or the refusal raised."""
+        if not _session_ok(r.session, row["host_generation"], row["host_revoked_at"]):
+            raise _unauthorized(r.session)
+        self._fence_lease(row, r.session, r.attempt, r.lease_token)
+        deadline = self._deadline(row)
+        if not deadline > now:
+            raise Conflict("the lease has expired", reason="lease_expired", task_id=row["task_id"])
+        return deadline
 
     async def _extend_unlocked(
         self,
@@ -1733,12 +1748,7 @@ class Repository:
                     out.append(None)  # decided below (rare: a wrong attempt or task)
                     continue
                 try:
-                    if not _session_ok(r.session, row["host_generation"], row["host_revoked_at"]):
-                        raise _unauthorized(r.session)
-                    self._fence_lease(row, r.session, r.attempt, r.lease_token)
-                    deadline = self._deadline(row)
-                    if not deadline > now:
-                        raise Conflict("the lease has expired", reason="lease_expired", task_id=tid)
+                    deadline = self._fence_renewal(row, r, now)
                     if row["status"] == TaskState.RUNNING.value:
                         extend.add((tid, r.attempt))
                         deadline = new_expiry
