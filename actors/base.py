@@ -288,8 +288,18 @@ class FleetActor(pykka.ThreadingActor):
 
     def on_stop(self) -> None:
         self._inbox().close("actor stopped; retry")
-        if self.ctx.supervisor is not None:
-            self.ctx.supervisor.child_stopped(self, expected=self._stopping_expected)
+        try:
+            if self.ctx.supervisor is not None:
+                self.ctx.supervisor.child_stopped(self, expected=self._stopping_expected)
+        finally:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """Drop the handler table: its bound methods hold the actor in a
+        reference cycle, which left each finished Lease actor (about 30 objects)
+        to the cyclic collector; with 10,000 leases ending together, one full
+        collection of 0.47 s. Nothing is handled after a stop or a crash."""
+        self._handlers.clear()
 
     def on_failure(
         self,
@@ -307,3 +317,4 @@ class FleetActor(pykka.ThreadingActor):
                 # committed): plain Unavailable, not NotDelivered.
                 self._crash_reply.set_exception(Unavailable("the actor crashed; retry"))
                 self._crash_reply = None
+            self._let_go()

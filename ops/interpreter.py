@@ -17,10 +17,10 @@ them in one cell, 4.9 s of CPU, and the paced renewals' round-trip p99 was
 
 Same cell with these settings: 118 young, 5 middle and 2 full collections
 besides the one here (1.3 s of CPU in all), round-trip p99 104 ms. The one
-long pause left is the full collection when the 10,000 leases end together
-(0.47 s: each finished Lease actor leaves a reference cycle). Reference
-counting frees everything that is not in a cycle at once, whatever these
-settings.
+long pause left was the full collection when the 10,000 leases ended together
+(0.47 s): each finished Lease actor was left in a reference cycle, which
+``FleetActor`` now breaks when it stops. Reference counting frees everything
+that is not in a cycle at once, whatever these settings.
 
 Thread switches. ``serve`` runs its event loop on one thread and each actor on
 its own; a message from the loop to a Lease actor and its answer back are
