@@ -1,10 +1,11 @@
 """Group commit: concurrent transitions share one transaction.
 
 Two writers, one shape. ``RenewBatcher`` groups lease renewals into
-``repo.renew_many`` (one multi-row statement); ``TransitionBatcher`` groups the
-other fenced host transitions (claim, ack, progress, result) into
-``repo.run_many`` (one transaction, one commit, each transition its own
-statements). There is no batching delay: while up to ``max_inflight`` batches are
+``repo.renew_many`` (one read and one multi-row conditional write, each its own
+transaction in autocommit); ``TransitionBatcher`` groups the other fenced host
+transitions (claim, ack, progress, result) into ``repo.run_many`` (the same two
+statements for claims, acks and results; otherwise one transaction, one
+commit). There is no batching delay: while up to ``max_inflight`` batches are
 being committed, new work queues up, and the next free flusher takes everything
 queued (up to ``max_batch``). At low load a transition is a batch of one (its
 own transaction, as without group commit); under load the batches grow by

@@ -1673,7 +1673,6 @@ class Repository:
                 return decided
             keys = sorted(extend)
             new_expiry = now + timedelta(seconds=self.timings.lease_s)
-            before_write.clear()
             before_write.update(decided)
             written = await self._extend_unlocked(
                 conn, keys, [extend[k][0] for k in keys], now, new_expiry
