@@ -19,6 +19,7 @@ Error policy of :meth:`FleetActor.on_receive`:
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import queue
@@ -124,6 +125,59 @@ class Context:
         run = self.transition or self.repo.run_one
         return self.bridge.run(run(t), self.db_timeout_s)
 
+    def hand_off(self, kind: str, t: Transition, reply: Reply[Any] | None, task_id: str) -> None:
+        """From a Lease actor thread: run the fenced host transition ``t`` on the
+        loop and return at once. The loop answers ``reply`` right after the
+        commit, then tells the task's Lease actor (whichever is current then)
+        :class:`~actors.messages.Committed`. Two thread hops fewer per claim, ack
+        and result than :meth:`run_transition`: the actor does not wait for the
+        commit, and the answer does not come back through it."""
+        run = self.transition or self.repo.run_one
+        if not self.bridge.spawn(self._commit_then_reply(kind, run(t), reply, task_id)):
+            raise Unavailable("the event loop is closed")
+
+    async def _commit_then_reply(
+        self,
+        kind: str,
+        commit: Coroutine[Any, Any, Any],
+        reply: Reply[Any] | None,
+        task_id: str,
+    ) -> None:
+        from actors.messages import Committed, Crash
+
+        def answer(value: Any, exc: BaseException | None = None) -> None:
+            if reply is not None:
+                reply.settle_on_loop(value, exc)
+
+        try:
+            async with asyncio.timeout(self.db_timeout_s):
+                outcome = await commit
+        except RepositoryError as exc:
+            answer(None, exc)
+            return
+        except TimeoutError:
+            # The outcome of the commit in flight is unknown: retryable, as
+            # Bridge.run's timeout (writes are fenced, replays recorded).
+            answer(None, Unavailable(f"no commit within {self.db_timeout_s} s; retry"))
+            return
+        except Exception as exc:
+            log.error("lease.transition_error", error=repr(exc), exc_info=True, task_id=task_id)
+            answer(None, Unavailable("internal error; retry"))
+            return
+        ref = self.supervisor.lease_for(task_id) if self.supervisor is not None else None
+        try:
+            failpoints.hit(failpoints.LEASE_AFTER_COMMIT_BEFORE_REPLY, may_pause=False)
+        except failpoints.FailPointError as exc:
+            # The actor crashes between the commit and the answer, as a bug
+            # there would; the host gets the retryable Unavailable (the outcome
+            # is unknown to it) and its retry is a replay, or reaches the
+            # replacement.
+            _tell(ref, Crash(reason=str(exc)))
+            answer(None, Unavailable("the actor crashed; retry"))
+            return
+        answer(outcome)
+        _tell(ref, Committed(kind=kind, outcome=outcome))
+
     def event(
         self, *, task_id: str, state: str, attempt: int, host_id: str | None
     ) -> dict[str, Any]:
@@ -134,6 +188,16 @@ class Context:
             "host_id": host_id,
             "at": self.clock.now().isoformat(),
         }
+
+
+def _tell(ref: pykka.ActorRef[Any] | None, message: Message) -> bool:
+    if ref is None:
+        return False
+    try:
+        ref.tell(message)
+    except ActorDeadError:
+        return False
+    return True
 
 
 def _refuse(envelope: Envelope[Any], reason: str) -> None:
@@ -265,7 +329,7 @@ class FleetActor(pykka.ThreadingActor):
                 )
             message.validate()
             if isinstance(message, Crash):
-                raise CrashRequested(f"crash requested for {self.kind}")
+                raise CrashRequested(message.reason or f"crash requested for {self.kind}")
             handler(message)
         except RepositoryError as exc:
             if isinstance(exc, Invalid):

@@ -6,6 +6,10 @@ live on it). Actors run on their own threads.
 * Actor thread -> loop: :meth:`Bridge.run` submits a coroutine with
   ``asyncio.run_coroutine_threadsafe`` and blocks *the actor thread* (never the
   loop) until it finishes or the timeout passes.
+* Actor thread -> loop, without waiting: :meth:`Bridge.spawn` starts a
+  coroutine as a task on the loop and returns at once (a Lease actor hands its
+  host transitions over this way; the loop answers the host right after the
+  commit, with :meth:`Reply.settle_on_loop`).
 * Loop -> actor: the loop never calls ``ask()`` and never awaits a pykka future
   (pykka's ``Future.__await__`` calls the blocking ``get()``). It creates a
   :class:`Reply` (an asyncio future plus its loop) and passes it inside a
@@ -36,6 +40,7 @@ class Bridge:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._loop_thread_id: int | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
@@ -78,6 +83,23 @@ class Bridge:
         except concurrent.futures.CancelledError as exc:
             raise Unavailable("the operation was cancelled (shutting down)") from exc
 
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> bool:
+        """Start ``coro`` as a task on the loop, from any thread, without waiting
+        for it (a Lease actor hands a transition over this way and goes on).
+        False when the loop is closed: ``coro`` is closed and never runs."""
+        try:
+            self.loop.call_soon_threadsafe(self._start_task, coro)
+        except RuntimeError:
+            coro.close()
+            return False
+        return True
+
+    def _start_task(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = self.loop.create_task(coro)
+        # The loop keeps only weak references to its tasks.
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def call_soon(self, fn: Callable[..., object], *args: Any) -> bool:
         """Schedule ``fn(*args)`` on the loop from any thread. False when the loop
         is closed (shutdown): the call is dropped."""
@@ -112,6 +134,11 @@ class Reply(Generic[T]):
         # A closed loop means nobody is waiting any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._settle, value, exc)
+
+    def settle_on_loop(self, value: T | None, exc: BaseException | None = None) -> None:
+        """Complete it from the loop's own thread: at once, without the hop that
+        :meth:`set_result` takes from an actor thread."""
+        self._settle(value, exc)
 
     def _settle(self, value: T | None, exc: BaseException | None) -> None:
         if self._future.done():

@@ -82,9 +82,12 @@ _fired_total: dict[str, int] = {}
 _registry_lock = threading.Lock()
 
 
-def hit(name: str) -> None:
+def hit(name: str, *, may_pause: bool = True) -> None:
     """Raise :class:`FailPointError` if the point ``name`` is armed and fires
-    (or park until its pause event is set). Free when nothing is armed."""
+    (or park until its pause event is set). Free when nothing is armed.
+
+    ``may_pause=False`` is for points on the event loop, which must never park:
+    there a point armed with a pause fires as an error instead."""
     if not _armed:
         return
     arm = _armed.get(name)
@@ -92,7 +95,7 @@ def hit(name: str) -> None:
         return
     with _registry_lock:
         _fired_total[name] = _fired_total.get(name, 0) + 1
-    if arm.pause is not None:
+    if arm.pause is not None and may_pause:
         with arm.lock:
             arm.paused += 1
         arm.pause.wait()

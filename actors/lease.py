@@ -1,20 +1,28 @@
 """The Lease actor: one per task in assigned, dispatched or running.
 
 Every host message about its task that changes its state (claim, ack, progress,
-result) and a user's cancel of it pass through it, one at a time. Renewals and
+result) and a user's cancel of it are handled by it, one at a time. Claims,
+acks, progress and results are handed to the event loop (``Context.hand_off``):
+the loop writes the transition through (group commit), answers the host right
+after the commit, and then tells the actor ``Committed``, on which it updates its
+cache, emits the event and decides whether to stop. The actor does not wait for
+the commit, and the answer does not come back through its thread: two thread
+hops fewer per transition (in the benchmark, a third less CPU per task). A
+failed write is a typed error answer and the actor is not told. Renewals and
 cancel polls go around it, straight to the renewal group commit (see
-``actors/runtime.py``); it is told of one (``Renewed``) when the answer carries a
-pending cancel. It still handles ``Renew`` and ``CancelPoll`` sent to it. Each is written
-through the repository first; only after the commit does the actor reply, emit
-an event and update its cache. A failed write is a typed error reply and the
-cache stays as it was.
+``actors/runtime.py``); it is told of one (``Renewed``) when the answer carries
+a pending cancel. It still handles ``Renew`` and ``CancelPoll`` sent to it, and a
+user's ``Cancel``, by waiting for their commit.
 
 The cache (attempt, state, deadline, cancel flag) is never used to accept or
 refuse a message: the repository fences every message in its own transaction,
-so a fresh actor built from the database answers exactly as an old one would.
+so a fresh actor built from the database answers exactly as an old one would,
+and two transitions of one task in flight at once are decided by the database.
 The cache serves events, introspection and the decision to stop: the actor stops
 itself once its task leaves the active states (a result, a completed cancel, or
-the Reaper / a reconcile telling it its attempt ended).
+the Reaper / a reconcile telling it its attempt ended). ``Committed`` goes to
+whichever Lease actor is current for the task when the commit lands, so a
+replacement started meanwhile still learns that its task ended.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from actors.messages import (
     Cancel,
     CancelPoll,
     Claim,
+    Committed,
     Crash,
     Progress,
     Rebuild,
@@ -40,7 +49,7 @@ from actors.messages import (
     Renewed,
     ReportResult,
 )
-from persistence.model import Assignment, LeaseStatus, Outcome, TaskState
+from persistence.model import Assignment, Claimed, LeaseStatus, Outcome, ResultRecord, TaskState
 from persistence.repository import Renewal
 
 log = structlog.get_logger("fleetlease.lease")
@@ -71,29 +80,45 @@ class LeaseActor(FleetActor):
         self.handle(Adopt, self._adopt)
         self.handle(AttemptEnded, self._attempt_ended)
         self.handle(Rebuild, self._rebuild)
+        self.handle(Committed, self._committed)
         self.handle(Crash, lambda m: None)
 
     def describe(self) -> dict[str, Any]:
         return {"actor": self.kind, "task_id": self.task_id, "attempt": self.attempt}
 
     # --- host messages ----------------------------------------------------------------
+    # Claims, acks, progress and results are handed to the event loop (see
+    # Context.hand_off): the loop commits, answers the host, and tells this actor
+    # Committed; the handler does not wait for the commit.
     def _claim(self, m: Claim) -> None:
         failpoints.hit(failpoints.LEASE_BEFORE_COMMIT)
-        claimed = self.ctx.run_transition(self.ctx.repo.claim_op(m.session, m.task_id, m.attempt))
-        failpoints.hit(failpoints.LEASE_AFTER_COMMIT_BEFORE_REPLY)
-        assert m.reply is not None
-        m.reply.set_result(claimed)
-        self._set(attempt=claimed.attempt, state=TaskState.DISPATCHED)
-        self.ctx.sup.hint_deadline(claimed.ack_deadline)
-        self._emit(TaskState.DISPATCHED)
+        self.ctx.hand_off(
+            "claim", self.ctx.repo.claim_op(m.session, m.task_id, m.attempt), m.reply, self.task_id
+        )
 
     def _ack(self, m: Ack) -> None:
         failpoints.hit(failpoints.LEASE_BEFORE_COMMIT)
-        status = self.ctx.run_transition(
-            self.ctx.repo.ack_op(m.session, m.task_id, m.attempt, m.lease_token)
+        self.ctx.hand_off(
+            "ack",
+            self.ctx.repo.ack_op(m.session, m.task_id, m.attempt, m.lease_token),
+            m.reply,
+            self.task_id,
         )
-        failpoints.hit(failpoints.LEASE_AFTER_COMMIT_BEFORE_REPLY)
-        self._after_status(m.reply, status)
+
+    def _committed(self, m: Committed) -> None:
+        if m.kind == "claim":
+            self._claimed(m.outcome)
+        elif m.kind == "result":
+            self._result_recorded(m.outcome)
+        else:
+            self._after_status(None, m.outcome)
+
+    def _claimed(self, claimed: Claimed) -> None:
+        if claimed.attempt < self.attempt:
+            return
+        self._set(attempt=claimed.attempt, state=TaskState.DISPATCHED)
+        self.ctx.sup.hint_deadline(claimed.ack_deadline)
+        self._emit(TaskState.DISPATCHED)
 
     def _renew(self, m: Renew | CancelPoll) -> None:
         failpoints.hit(failpoints.LEASE_BEFORE_COMMIT)
@@ -114,15 +139,17 @@ class LeaseActor(FleetActor):
 
     def _progress(self, m: Progress) -> None:
         failpoints.hit(failpoints.LEASE_BEFORE_COMMIT)
-        status = self.ctx.run_transition(
-            self.ctx.repo.progress_op(m.session, m.task_id, m.attempt, m.lease_token, m.seq)
+        self.ctx.hand_off(
+            "progress",
+            self.ctx.repo.progress_op(m.session, m.task_id, m.attempt, m.lease_token, m.seq),
+            m.reply,
+            self.task_id,
         )
-        failpoints.hit(failpoints.LEASE_AFTER_COMMIT_BEFORE_REPLY)
-        self._after_status(m.reply, status)
 
     def _report_result(self, m: ReportResult) -> None:
         failpoints.hit(failpoints.LEASE_BEFORE_COMMIT)
-        record = self.ctx.run_transition(
+        self.ctx.hand_off(
+            "result",
             self.ctx.repo.report_result_op(
                 m.session,
                 m.task_id,
@@ -133,11 +160,12 @@ class LeaseActor(FleetActor):
                 reason=m.reason,
                 result=m.result,
                 fingerprint=m.fingerprint,
-            )
+            ),
+            m.reply,
+            self.task_id,
         )
-        failpoints.hit(failpoints.LEASE_AFTER_COMMIT_BEFORE_REPLY)
-        assert m.reply is not None
-        m.reply.set_result(record)
+
+    def _result_recorded(self, record: ResultRecord) -> None:
         if record.attempt < self.attempt:
             return  # a replay of an older attempt's report: nothing about ours changed
         previous = self.state

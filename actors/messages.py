@@ -167,6 +167,22 @@ class Adopt(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Committed(Message):
+    """A host transition this actor handed to the event loop has committed, and
+    its host has the answer: the actor brings its cache up to date (and emits,
+    stops). ``kind`` names the transition: ``claim``, ``ack``, ``progress`` or
+    ``result``; ``outcome`` is what the repository returned."""
+
+    kind: str
+    outcome: Any
+
+    def validate(self) -> None:
+        super().validate()
+        if self.kind not in ("claim", "ack", "progress", "result"):
+            raise Invalid("kind must be claim, ack, progress or result", field="kind")
+
+
+@dataclass(frozen=True, kw_only=True)
 class AttemptEnded(Message):
     """The attempt ended in the database (expiry, reconcile, sweep): stop if it is
     the actor's current attempt."""
@@ -185,7 +201,16 @@ class Rebuild(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class Crash(Message):
-    """Test and fault-injection hook: the handler raises, crashing the actor."""
+    """Test and fault-injection hook: the handler raises, crashing the actor.
+    ``reason`` (optional) is what the crash is logged with: a fail point that
+    fired on the event loop names itself there."""
+
+    reason: str = ""
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.reason, str):
+            raise Invalid("reason must be a string", field="reason")
 
 
 # --- Scheduler ---------------------------------------------------------------------

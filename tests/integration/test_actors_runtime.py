@@ -11,6 +11,7 @@ from typing import Any
 
 import pykka
 import pytest
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from actors import failpoints
@@ -513,6 +514,76 @@ async def test_renewals_go_around_a_busy_lease_actor_and_are_still_fenced(
     finally:
         gate.set()
     assert (await parked).state is TaskState.RUNNING
+
+
+async def _write_waits_for_a_lock(engine: AsyncEngine) -> bool:
+    async with engine.connect() as c:
+        n = (
+            await c.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                )
+            )
+        ).scalar_one()
+    return n > 0
+
+
+async def _lock_task_row(conn: Any, task_id: str) -> None:
+    """Lock the task's row in ``conn``'s transaction: its next write waits."""
+    await conn.execute(
+        text("SELECT 1 FROM tasks WHERE id = CAST(:id AS uuid) FOR UPDATE"), {"id": task_id}
+    )
+
+
+async def test_a_lease_actor_serves_its_next_message_while_its_handed_off_commit_waits(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine
+) -> None:
+    """A result is handed to the event loop: the Lease actor does not wait for
+    its commit (here held up by a row lock) and answers another message."""
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec())
+    claimed = await _running(host, engine, task_id)
+    lease = cp.lease_actor(task_id)
+    assert lease is not None
+    async with engine.connect() as blocker:
+        await _lock_task_row(blocker, task_id)
+        report = asyncio.create_task(host.report(claimed))
+        await wait_until(lambda: _write_waits_for_a_lock(engine), what="the result's write waits")
+        # Not a Message: answered None at once by an actor that is not busy.
+        assert await asyncio.to_thread(lease.ask, "are you free?", timeout=10) is None
+        assert not report.done()
+        await blocker.rollback()
+    assert (await report).state is TaskState.DONE
+    await wait_until(lambda: cp.lease_actor(task_id) is None, what="the Lease actor to stop")
+
+
+async def test_a_lease_actor_started_while_a_result_commits_learns_of_it_and_stops(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine
+) -> None:
+    """``Committed`` goes to the task's current Lease actor: a replacement that
+    rebuilt itself (task still running) before the result committed stops."""
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec())
+    claimed = await _running(host, engine, task_id)
+    old = cp.lease_actor(task_id)
+    assert old is not None
+    async with engine.connect() as blocker:
+        await _lock_task_row(blocker, task_id)
+        report = asyncio.create_task(host.report(claimed))
+        await wait_until(lambda: _write_waits_for_a_lock(engine), what="the result's write waits")
+        old.tell(Crash())
+        await wait_until(
+            lambda: cp.lease_actor(task_id) not in (None, old), what="a replacement"
+        )
+        new = cp.lease_actor(task_id)
+        assert new is not None
+        # Its first message was Rebuild: this ask is answered after it.
+        assert await asyncio.to_thread(new.ask, "rebuilt?", timeout=10) is None
+        assert cp.lease_actor(task_id) is new
+        await blocker.rollback()
+    assert (await report).state is TaskState.DONE
+    await wait_until(lambda: cp.lease_actor(task_id) is None, what="the replacement to stop")
 
 
 async def test_a_cancel_of_a_queued_task_is_immediate(

@@ -120,3 +120,14 @@ def test_bad_arguments_are_refused_by_name(kwargs: dict[str, float], word: str) 
 def test_unknown_point_names_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown fail point"):
         failpoints.arm("lease.typo")
+
+
+def test_a_point_on_the_event_loop_fires_instead_of_parking() -> None:
+    gate = threading.Event()
+    failpoints.arm(P, pause=gate, count=1)
+    try:
+        with pytest.raises(failpoints.FailPointError):
+            failpoints.hit(P, may_pause=False)
+        assert failpoints.paused(P) == 0
+    finally:
+        failpoints.disarm()
