@@ -573,9 +573,7 @@ async def test_a_lease_actor_started_while_a_result_commits_learns_of_it_and_sto
         report = asyncio.create_task(host.report(claimed))
         await wait_until(lambda: _write_waits_for_a_lock(engine), what="the result's write waits")
         old.tell(Crash())
-        await wait_until(
-            lambda: cp.lease_actor(task_id) not in (None, old), what="a replacement"
-        )
+        await wait_until(lambda: cp.lease_actor(task_id) not in (None, old), what="a replacement")
         new = cp.lease_actor(task_id)
         assert new is not None
         # Its first message was Rebuild: this ask is answered after it.
