@@ -29,7 +29,8 @@ session epoch) and is retried on the new session. Reconnecting agents wait a
 random jitter (``resync_jitter_s``) before registering, so that a NATS restart
 does not make every host register in the same instant.
 
-Work. Each idle device is covered by exactly one outstanding long-poll claim,
+Work. Each idle device is covered by exactly one outstanding long-poll claim
+(the idle devices split between up to ``claim_polls`` of them),
 listing the idle device ids it covers; a claim returns at most one assignment,
 for one of its devices, so the agent never holds more assignments than idle
 devices, and devices run their attempts in parallel. Errors back off
@@ -96,6 +97,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import os
 import random
@@ -104,7 +106,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -280,6 +282,12 @@ class AgentConfig:
     claim_wait_s: float = 20.0
     #: An empty claim answered faster than this is paced (no busy loop).
     min_poll_interval_s: float = 1.0
+    #: The idle devices are split between up to this many claims outstanding at
+    #: once (more when freed devices trickle in: each new claim covers the idle
+    #: devices no claim covers, at most a ``claim_polls``-th of all of them), so
+    #: the claims of several tasks reaching one host together run side by side
+    #: instead of one after another.
+    claim_polls: int = 4
     request_timeout_s: float = 10.0
     backoff_base_s: float = 0.2
     backoff_cap_s: float = 15.0
@@ -317,6 +325,10 @@ class AgentConfig:
         if not self.goal_runner or not self.workflow_runner:
             raise ValueError("goal_runner and workflow_runner must be non-empty")
         _positive("claim_wait_s", self.claim_wait_s)
+        if isinstance(self.claim_polls, bool) or not isinstance(self.claim_polls, int):
+            raise ValueError(f"claim_polls must be an integer, got {self.claim_polls!r}")
+        if self.claim_polls < 1:
+            raise ValueError(f"claim_polls must be >= 1, got {self.claim_polls}")
         if self.claim_wait_s > wire.MAX_WAIT_S:
             raise ValueError(f"claim_wait_s must be <= {wire.MAX_WAIT_S}, got {self.claim_wait_s}")
         for name in (
@@ -586,7 +598,12 @@ class Agent:
 
         self._attempts: dict[tuple[str, int], _Attempt] = {}
         self._held: set[str] = set()
-        self._covered: set[str] = set()
+        #: Idle devices covered by an outstanding claim -> that claim's number.
+        self._covered: dict[str, int] = {}
+        #: The claims sent and not answered yet: number -> the devices each
+        #: lists. No device is listed by two of them.
+        self._claims: dict[int, tuple[str, ...]] = {}
+        self._poll_numbers = itertools.count(1)
         self._polls: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()
         self._epoch = 0
@@ -1149,11 +1166,14 @@ class Agent:
             while not self._stopping.is_set():
                 await self._wait_ready()
                 self._wake.clear()
-                uncovered = self._idle_devices() - self._held - self._covered
-                if uncovered:
-                    devices = sorted(uncovered)
-                    self._covered.update(devices)
-                    poll = asyncio.ensure_future(self._poll(devices))
+                uncovered = sorted(self._idle_devices() - self._held - self._covered.keys())
+                size = max(1, -(-len(self.devices.snapshot()) // self.config.claim_polls))
+                for i in range(0, len(uncovered), size):
+                    devices = uncovered[i : i + size]
+                    number = next(self._poll_numbers)
+                    self._covered.update(dict.fromkeys(devices, number))
+                    self._claims[number] = tuple(devices)
+                    poll = asyncio.ensure_future(self._poll(devices, number))
                     self._polls.add(poll)
                     poll.add_done_callback(self._polls.discard)
                 await self._sleep(3600.0, self._wake)  # a stop sets it too
@@ -1163,7 +1183,15 @@ class Agent:
             if self._polls:
                 await asyncio.gather(*self._polls, return_exceptions=True)
 
-    async def _poll(self, devices: list[str]) -> None:
+    def _uncover(self, devices: Iterable[str], number: int) -> None:
+        """Those of ``devices`` still covered by claim ``number`` are not any more
+        (a newer claim may cover some of them already: they stay its own)."""
+        for d in devices:
+            if self._covered.get(d) == number:
+                del self._covered[d]
+        self._wake.set()
+
+    async def _poll(self, devices: list[str], number: int) -> None:
         cfg = self.config
         loop = asyncio.get_running_loop()
         try:
@@ -1171,6 +1199,7 @@ class Agent:
             try:
                 assignment = await self._call(lambda c: c.claim(cfg.claim_wait_s, devices))
             except RemoteError as exc:
+                self._claims.pop(number, None)
                 delay = self._claim_backoff.next_delay()
                 log.warning(
                     "claim_failed",
@@ -1181,16 +1210,22 @@ class Agent:
                 )
                 await self._sleep(delay, self._stopping)
                 return
+            self._claims.pop(number, None)  # answered
             self._claim_backoff.reset()
             if assignment is None:
                 remaining = cfg.min_poll_interval_s - (loop.time() - started)
                 if remaining > 0:
                     await self._sleep(remaining, self._stopping)
                 return
+            # The claim's other devices may be claimed for again at once, not
+            # after this assignment's journal write: several tasks reaching one
+            # host together no longer wait for each other's. (``_accept`` marks
+            # the device held before it first yields.)
+            self._uncover([d for d in devices if d != assignment.device_id], number)
             await self._accept(assignment, devices)
         finally:
-            self._covered.difference_update(devices)
-            self._wake.set()
+            self._claims.pop(number, None)
+            self._uncover(devices, number)
 
     async def _accept(self, a: wire.Assignment, devices: list[str]) -> None:
         fields = {"task_id": a.task_id, "attempt": a.attempt, "device_id": a.device_id}

@@ -69,6 +69,12 @@ def register(sub: Any) -> None:
         "--claim-wait-s", type=float, default=20.0, help="long-poll duration of one claim"
     )
     p.add_argument(
+        "--claim-polls",
+        type=int,
+        default=4,
+        help="the idle devices are split between up to this many outstanding claims",
+    )
+    p.add_argument(
         "--resync-jitter-s",
         type=float,
         default=2.0,
@@ -168,6 +174,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             workflow_runner=args.workflow_runner,
             grace_s=args.grace_s,
             claim_wait_s=args.claim_wait_s,
+            claim_polls=args.claim_polls,
             resync_jitter_s=args.resync_jitter_s,
             failpoints=failpoints,
             max_resumes=max_resumes,

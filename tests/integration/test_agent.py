@@ -444,6 +444,60 @@ async def test_devices_run_in_parallel_and_never_more_attempts_than_devices(
     assert devices == {"h1-dev-0", "h1-dev-1"}
 
 
+async def test_idle_devices_are_split_between_claims_and_each_covered_by_exactly_one(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    """The idle devices are split between up to ``claim_polls`` outstanding
+    claims (a host's tasks are claimed side by side), and a claim that returns an
+    assignment frees its other devices at once, before the journal write. A
+    claim's own clean-up never uncovers a device a newer claim covers: each idle
+    device stays covered by exactly one outstanding claim (with that bug, a freed
+    device was covered by two claims and then by none, over and over)."""
+    system = await make_system()
+    gate = _Gate()
+    await system.add_host("h1")
+    manager = SimulatedDeviceManager(4, prefix="h1-dev")
+    agent = Agent(
+        system.config("h1", claim_polls=2),
+        manager,
+        runners={"sim-goal": gate.factory(), "sim-workflow": gate.factory()},
+    )
+    system.agents.append(RunningAgent(agent, asyncio.create_task(agent.run()), manager))
+
+    def idle() -> set[str]:
+        return {d.device_id for d in manager.snapshot() if d.state == "idle"}
+
+    async def coverage() -> tuple[int, dict[str, int], set[str]]:
+        # Checked at every look: no device is listed by two claims in flight.
+        listed = [d for devices in agent._claims.values() for d in devices]
+        assert len(listed) == len(set(listed)), agent._claims
+        return len(agent._polls), dict(agent._covered), idle()
+
+    def settled(c: tuple[int, dict[str, int], set[str]]) -> bool:
+        polls, covered, idle_now = c
+        return set(covered) == idle_now and polls == len(set(covered.values()))
+
+    polls, covered, _ = await eventually(coverage, settled)
+    assert polls == 2 and len(covered) == 4  # two claims of two devices each
+    first = await system.submit()
+    await eventually(lambda: _value(gate.running), lambda n: n == 1)
+    polls, covered, idle_now = await eventually(coverage, settled)
+    assert len(idle_now) == 3 and polls >= 2
+    # A second task is claimed by one of those claims while the first runs.
+    second = await system.submit()
+    await eventually(lambda: _value(gate.running), lambda n: n == 2)
+    await eventually(coverage, settled)
+    gate.release.set()
+    await system.wait_state(first, "done")
+    await system.wait_state(second, "done")
+    polls, covered, idle_now = await eventually(coverage, lambda c: settled(c) and len(c[2]) == 4)
+    assert polls <= 4
+
+
+async def _value(v: T) -> T:
+    return v
+
+
 # --- registration -------------------------------------------------------------------------
 
 

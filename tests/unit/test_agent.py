@@ -162,6 +162,9 @@ def test_config_hides_the_credential_and_never_echoes_a_bad_one(tmp_path: Path) 
         ("failpoints", frozenset({"nope"})),
         ("max_resumes", -1),
         ("max_resumes", 1.5),
+        ("claim_polls", 0),
+        ("claim_polls", 1.5),
+        ("claim_polls", True),
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(tmp_path: Path, name: str, value: Any) -> None:
