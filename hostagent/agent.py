@@ -1157,17 +1157,16 @@ class Agent:
             )
 
     # --- claiming ---------------------------------------------------------------------------
-    def _idle_devices(self) -> set[str]:
-        return {d.device_id for d in self.devices.snapshot() if d.state == "idle"}
-
     async def _claim_dispatcher(self) -> None:
         """Keep every idle device covered by one outstanding claim."""
         try:
             while not self._stopping.is_set():
                 await self._wait_ready()
                 self._wake.clear()
-                uncovered = sorted(self._idle_devices() - self._held - self._covered.keys())
-                size = max(1, -(-len(self.devices.snapshot()) // self.config.claim_polls))
+                devices_now = self.devices.snapshot()
+                idle = {d.device_id for d in devices_now if d.state == "idle"}
+                uncovered = sorted(idle - self._held - self._covered.keys())
+                size = max(1, -(-len(devices_now) // self.config.claim_polls))
                 for i in range(0, len(uncovered), size):
                     devices = uncovered[i : i + size]
                     number = next(self._poll_numbers)
@@ -1186,10 +1185,13 @@ class Agent:
     def _uncover(self, devices: Iterable[str], number: int) -> None:
         """Those of ``devices`` still covered by claim ``number`` are not any more
         (a newer claim may cover some of them already: they stay its own)."""
+        freed = False
         for d in devices:
             if self._covered.get(d) == number:
                 del self._covered[d]
-        self._wake.set()
+                freed = True
+        if freed:
+            self._wake.set()
 
     async def _poll(self, devices: list[str], number: int) -> None:
         cfg = self.config
@@ -1220,8 +1222,8 @@ class Agent:
             # The claim's other devices may be claimed for again at once, not
             # after this assignment's journal write: several tasks reaching one
             # host together no longer wait for each other's. (``_accept`` marks
-            # the device held before it first yields.)
-            self._uncover([d for d in devices if d != assignment.device_id], number)
+            # the assigned device held before it first yields.)
+            self._uncover(devices, number)
             await self._accept(assignment, devices)
         finally:
             self._claims.pop(number, None)

@@ -1147,7 +1147,7 @@ async def run(opts: BenchOptions) -> dict[str, Any]:
                     "hosts": opts.hosts,
                     "devices_per_host": opts.devices_per_host,
                     "tasks": opts.tasks,
-                    "agents": "in-process (the benchmark process, standard asyncio loop), "
+                    "agents": f"in-process (the benchmark process, {eventloop.loop_name()} loop), "
                     "journals on tmpfs",
                     "control_plane": f"fleetlease serve subprocess, {eventloop.loop_name()} loop",
                     "submit": f"user API over NATS, batches of {SUBMIT_BATCH}",

@@ -10,13 +10,12 @@ What each figure means: ``ops/bench.py``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import sys
 from typing import Any
 
-from ops import interpreter
+from ops import eventloop, interpreter
 from ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError
 
 
@@ -92,15 +91,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
+    eventloop.checked_factory(lambda message: CliError(message, EXIT_USAGE))
     _quiet_logs()
     # SIGTERM / SIGHUP unwind like Ctrl-C, so the serve subprocess, agents and
     # scratch databases of the run are cleaned up (killed with the default
     # action, the bench left its serve running and holding 40 connections).
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    # The in-process agents get what `fleetlease agent` processes get.
+    # The in-process agents get what `fleetlease agent` processes get: the
+    # interpreter settings and the event loop.
     interpreter.tune()
     try:
-        report = asyncio.run(run(opts))
+        report = eventloop.run(run(opts))
     except BenchError as exc:
         raise CliError(str(exc), EXIT_UNAVAILABLE) from exc
     finally:
