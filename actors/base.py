@@ -39,7 +39,7 @@ from actors.bridge import Bridge, Reply
 from actors.messages import Crash, Message
 from persistence.clock import Clock
 from persistence.errors import Invalid, RepositoryError, Unavailable
-from persistence.model import Assignment, LeaseStatus
+from persistence.model import Assignment, LeaseStatus, TaskState
 from persistence.repository import Renewal, Repository, Transition
 
 if TYPE_CHECKING:
@@ -98,6 +98,8 @@ class Context:
     reaper_max_sleep_s: float = 5.0
     reaper_idle_recheck_s: float = 1.0
     emit: Callable[[list[dict[str, Any]]], None] = lambda events: None
+    #: ``emit`` for the event loop's own thread (no hop).
+    emit_on_loop: Callable[[list[dict[str, Any]]], None] = lambda events: None
     #: Wake parked long-polls: host ids (every poll of the host),
     #: ``(host_id, device_id)`` pairs (the polls that may claim that device) or
     #: new assignments (each handed to one poll that may claim it).
@@ -133,7 +135,7 @@ class Context:
         and result than :meth:`run_transition`: the actor does not wait for the
         commit, and the answer does not come back through it."""
         run = self.transition or self.repo.run_one
-        if not self.bridge.spawn(self._commit_then_reply(kind, run(t), reply, task_id)):
+        if not self.bridge.spawn(self._commit_then_reply(kind, run(t), reply, task_id, t.host_id)):
             raise Unavailable("the event loop is closed")
 
     async def _commit_then_reply(
@@ -142,6 +144,7 @@ class Context:
         commit: Coroutine[Any, Any, Any],
         reply: Reply[Any] | None,
         task_id: str,
+        host_id: str,
     ) -> None:
         from actors.messages import Committed, Crash
 
@@ -176,6 +179,15 @@ class Context:
             answer(None, Unavailable("the actor crashed; retry"))
             return
         answer(outcome)
+        # The transition's event, here rather than by the actor (one thread hop
+        # fewer): a claim always moved its task, an ack or a result unless it
+        # was a replay. (A progress report's is the actor's: only its cache
+        # tells whether the state changed.)
+        state = _moved_to(kind, outcome)
+        if state is not None:
+            self.emit_on_loop(
+                [self.event(task_id=task_id, state=state, attempt=outcome.attempt, host_id=host_id)]
+            )
         _tell(ref, Committed(kind=kind, outcome=outcome))
 
     def event(
@@ -188,6 +200,18 @@ class Context:
             "host_id": host_id,
             "at": self.clock.now().isoformat(),
         }
+
+
+def _moved_to(kind: str, outcome: Any) -> str | None:
+    """The state a committed claim, ack or result moved its task to (None: it
+    was a replay, or another kind: no event from the loop)."""
+    if kind == "claim":
+        return str(TaskState.DISPATCHED)
+    if kind == "ack":
+        return str(outcome.state) if outcome.moved else None
+    if kind == "result":
+        return None if outcome.replayed else str(outcome.state)
+    return None
 
 
 def _tell(ref: pykka.ActorRef[Any] | None, message: Message) -> bool:

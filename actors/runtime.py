@@ -308,6 +308,7 @@ class ControlPlane:
             reaper_max_sleep_s=self.reaper_max_sleep_s,
             reaper_idle_recheck_s=self.scheduler_interval_s,
             emit=self._emit_threadsafe,
+            emit_on_loop=self._dispatch,
             wake_hosts=self._wake_hosts_threadsafe,
             renew=self._batcher.renew if self._batcher is not None else None,
             transition=self._tbatcher.run if self._tbatcher is not None else None,

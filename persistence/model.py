@@ -212,6 +212,9 @@ class LeaseStatus:
     state: TaskState
     lease_expires_at: datetime
     cancel_requested: bool
+    #: This call moved the task to ``state`` (an ack that was not a replay);
+    #: not part of the answer to the host.
+    moved: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True, kw_only=True)

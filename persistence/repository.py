@@ -1095,13 +1095,16 @@ class Repository:
             return row["a_ack_deadline"]  # type: ignore[no-any-return]
         return row["a_lease_expires_at"]  # type: ignore[no-any-return]
 
-    def _status(self, row: RowMapping, state: str, expires: datetime) -> LeaseStatus:
+    def _status(
+        self, row: RowMapping, state: str, expires: datetime, *, moved: bool = False
+    ) -> LeaseStatus:
         return LeaseStatus(
             task_id=row["task_id"],
             attempt=row["attempt"],
             state=TaskState(state),
             lease_expires_at=expires,
             cancel_requested=row["cancel_requested_at"] is not None,
+            moved=moved,
         )
 
     async def _update_pair(
@@ -1555,7 +1558,7 @@ class Repository:
                 {"acked_at": now, "lease_expires_at": expires},
                 batch,
             )
-            return self._status(row, TaskState.RUNNING.value, expires)
+            return self._status(row, TaskState.RUNNING.value, expires, moved=True)
 
         return Transition("ack", tid, attempt, session.host_id, run)
 

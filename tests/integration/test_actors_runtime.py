@@ -123,6 +123,29 @@ async def test_a_task_goes_submit_assign_claim_ack_renew_done(
     assert all(e["attempt"] == 1 for e in events[1:] if e["task_id"] == task_id)
 
 
+async def test_a_replayed_ack_or_result_emits_no_second_event(
+    cp: ControlPlane, repo: Repository, engine: AsyncEngine, events: list[dict[str, Any]]
+) -> None:
+    """The event loop emits a claim's, an ack's and a result's event after the
+    commit; a replay (the host retried, its first answer lost) moved nothing and
+    emits nothing."""
+    host = await SimHost.create(cp, repo, "h1")
+    task_id = await cp.submit(spec())
+    claimed = await _running(host, engine, task_id)
+    again = await host.ack(claimed)
+    assert again.state is TaskState.RUNNING
+    record = await host.report(claimed, Outcome.DONE)
+    replayed = await host.report(claimed, Outcome.DONE)
+    assert not record.replayed and replayed.replayed
+    await wait_until(lambda: cp.lease_actor(task_id) is None, what="the Lease actor to stop")
+    # A marker through the same path: every event of the task before it is in.
+    other = await cp.submit(spec())
+    await wait_until(lambda: any(e["task_id"] == other for e in events), what="the marker")
+    mine = [e for e in events if e["task_id"] == task_id]
+    assert [e["state"] for e in mine] == ["queued", "assigned", "dispatched", "running", "done"]
+    assert all(e["host_id"] == "h1" for e in mine[2:])
+
+
 async def test_a_waiting_claim_is_woken_by_a_new_assignment(
     cp: ControlPlane, repo: Repository
 ) -> None:
