@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import queue
 import threading
 from collections import Counter
@@ -284,6 +285,80 @@ class ClosableInbox:
 _STARTERS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="actor-start")
 
 
+class ActorThreads:
+    """The threads Lease actors run on. A thread whose actor stopped waits up
+    to ``idle_s`` for the next actor instead of ending, so a Lease actor (one per
+    task in flight) usually starts on a thread that exists: a thread started and
+    ended for every task. Daemon threads, as pykka's: a thread never keeps the
+    interpreter alive."""
+
+    def __init__(self, idle_s: float = 10.0) -> None:
+        self.idle_s = idle_s
+        self._lock = threading.Lock()
+        self._next: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._idle = 0
+        self._numbers = itertools.count(1)
+        #: Threads started, and actors run on a thread that ran one before.
+        self.started = 0
+        self.reused = 0
+
+    @property
+    def idle(self) -> int:
+        """Threads waiting for an actor."""
+        with self._lock:
+            return self._idle
+
+    def run(self, actor_loop: Callable[[], None]) -> bool:
+        """Hand ``actor_loop`` to an idle thread: False when none is idle (the
+        caller starts one with :meth:`start`)."""
+        with self._lock:
+            if not self._idle:
+                return False
+            self._idle -= 1
+            self.reused += 1
+            self._next.put(actor_loop)
+            return True
+
+    def start(self, actor_loop: Callable[[], None]) -> None:
+        """A new thread that runs ``actor_loop``, then the next ones handed over
+        (waits until it holds the GIL: call it off the event loop)."""
+        thread = threading.Thread(
+            target=self._work,
+            args=(actor_loop,),
+            name=f"lease-actor-{next(self._numbers)}",
+            daemon=True,
+        )
+        thread.start()
+        with self._lock:
+            self.started += 1
+
+    def _work(self, actor_loop: Callable[[], None] | None) -> None:
+        while actor_loop is not None:
+            try:
+                actor_loop()
+            except Exception as exc:  # pykka's loop handles its own; never lose the thread
+                log.error("actor.loop_error", error=repr(exc))
+            actor_loop = self._wait()
+
+    def _wait(self) -> Callable[[], None] | None:
+        with self._lock:
+            self._idle += 1
+        try:
+            return self._next.get(timeout=self.idle_s)
+        except queue.Empty:
+            with self._lock:
+                # One may have been handed over since: every hand-over counted
+                # one idle thread out, and this one takes it.
+                try:
+                    return self._next.get_nowait()
+                except queue.Empty:
+                    self._idle -= 1
+                    return None
+
+
+LEASE_THREADS = ActorThreads()
+
+
 class FleetActor(pykka.ThreadingActor):
     """Base of the Lease, Scheduler and Reaper actors."""
 
@@ -306,14 +381,14 @@ class FleetActor(pykka.ThreadingActor):
         return ClosableInbox()
 
     def _start_actor_loop(self) -> None:
-        if self.start_in_background:
-            _STARTERS.submit(self._start_thread)
-        else:
+        if not self.start_in_background:
             super()._start_actor_loop()
+        elif not LEASE_THREADS.run(self._actor_loop):
+            _STARTERS.submit(self._start_thread)
 
     def _start_thread(self) -> None:
         try:
-            super()._start_actor_loop()
+            LEASE_THREADS.start(self._actor_loop)
         except Exception as exc:  # no thread to be had: as if it had stopped at once
             log.error("actor.start_failed", error=repr(exc), **self.describe())
             pykka.ActorRegistry.unregister(self.actor_ref)

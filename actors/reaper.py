@@ -3,7 +3,9 @@
 It sleeps until ``repo.next_deadline()`` (measured with the injected clock), not
 on a fixed poll; the sleep is capped (``reaper_max_sleep_s``) and cut short when
 a :class:`~actors.messages.DeadlineHint` announces a nearer deadline (a new
-assignment's claim deadline, a claim's ack deadline). The sleep is a timer on
+assignment's claim deadline, a claim's ack deadline; one not nearer is not sent:
+the supervisor knows when the timer fires, and that run reads every deadline
+again). The sleep is a timer on
 the event loop that sends a :class:`~actors.messages.Tick`; an actor never
 sleeps inside a handler. Each timer carries a sequence number and only the
 newest one counts.
@@ -54,7 +56,14 @@ class ReaperActor(FleetActor):
             return  # superseded timer
         self._run()
 
+    def _publish(self, next_at: datetime | None) -> None:
+        # Hints of deadlines at or after next_at are not sent (see
+        # Supervisor.hint_deadline); while a run reads, every hint is.
+        if self.ctx.supervisor is not None:
+            self.ctx.supervisor.reaper_next_at = next_at
+
     def _hint(self, m: DeadlineHint) -> None:
+        self.ctx.stats.incr("reaper_hints")
         if self._next_at is None or m.at < self._next_at:
             self._schedule(m.at)
 
@@ -68,6 +77,7 @@ class ReaperActor(FleetActor):
         self._run()
 
     def _run(self) -> None:
+        self._publish(None)
         self.ctx.stats.incr("reaper_runs")
         try:
             failpoints.hit(failpoints.REAPER_BEFORE_EXPIRE)
@@ -128,6 +138,7 @@ class ReaperActor(FleetActor):
         else:
             delay = min((at - now).total_seconds() + _EPSILON_S, self.ctx.reaper_max_sleep_s)
         self._next_at = now + timedelta(seconds=delay)
+        self._publish(self._next_at)
         self._timer_seq += 1
         seq = self._timer_seq
         ref = self.actor_ref

@@ -59,7 +59,7 @@ from typing import Any, TypeVar
 import structlog
 from pykka import ActorDeadError, ActorRef
 
-from actors.base import Context, NotDelivered, Stats
+from actors.base import LEASE_THREADS, Context, NotDelivered, Stats
 from actors.bridge import Bridge, Reply
 from actors.groupcommit import RenewBatcher, TransitionBatcher
 from actors.lease import LeaseActor
@@ -374,6 +374,8 @@ class ControlPlane:
         m["host_wakeups"] = self._host_wakeups
         m["lease_actors"] = self._sup.lease_count() if self._sup is not None else 0
         m["inflight"] = self._inflight
+        m["lease_threads_started"] = LEASE_THREADS.started
+        m["lease_actors_on_reused_threads"] = LEASE_THREADS.reused
         if self._batcher is not None:
             m["renew_batches"] = self._batcher.batches
             m["renewals_batched"] = self._batcher.renewals

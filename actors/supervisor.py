@@ -74,6 +74,10 @@ class Supervisor:
         self._leases: dict[str, _LeaseEntry] = {}
         self._mark = 0
         self._wake_pending = False
+        #: When the Reaper's timer wakes it next (its run then reads every
+        #: deadline again); None while it runs or has not scheduled one. Written
+        #: by the Reaper only.
+        self.reaper_next_at: datetime | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
     @property
@@ -140,6 +144,13 @@ class Supervisor:
             self._wake_pending = False
 
     def hint_deadline(self, at: datetime) -> None:
+        """Tell the Reaper of a deadline ``at`` committed just now, unless it
+        wakes by then anyway: then its run reads the deadline from the database
+        (a claim and an ack each hinted, and each hint woke the Reaper's
+        thread, to find its timer already earlier)."""
+        next_at = self.reaper_next_at
+        if next_at is not None and at >= next_at:
+            return
         _tell(self._reaper, DeadlineHint(at=at))
 
     def poke_reaper(self) -> bool:
@@ -253,6 +264,7 @@ class Supervisor:
             elif isinstance(actor, ReaperActor):
                 if self._reaper is not ref:
                     return
+                self.reaper_next_at = None  # the crashed one's timer is void
                 self._reaper = ReaperActor.start(self.ctx)
                 _tell(self._reaper, Rebuild())
             else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pykka
@@ -15,7 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from actors import failpoints
-from actors.lease import LeaseActor
+from actors.base import LEASE_THREADS
 from actors.messages import Crash, Renew
 from actors.runtime import ControlPlane
 from persistence.clock import ManualClock
@@ -121,6 +122,27 @@ async def test_a_task_goes_submit_assign_claim_ack_renew_done(
     states = [e["state"] for e in events if e["task_id"] == task_id]
     assert states == ["queued", "assigned", "dispatched", "running", "done"]
     assert all(e["attempt"] == 1 for e in events[1:] if e["task_id"] == task_id)
+
+
+async def test_a_deadline_the_reaper_wakes_for_anyway_is_not_hinted_a_nearer_one_is(
+    cp: ControlPlane,
+) -> None:
+    """Each claim and ack hinted its deadline to the Reaper, waking its thread to
+    find its timer already earlier: now a hint is sent only for a deadline
+    before the Reaper's next wake-up (that run reads every deadline again)."""
+    sup = cp.supervisor
+    await wait_until(lambda: sup.reaper_next_at is not None, what="the Reaper's first timer")
+    next_at = sup.reaper_next_at
+    assert next_at is not None
+    before = cp.stats.get("reaper_hints")
+    sup.hint_deadline(next_at + timedelta(hours=1))
+    sup.hint_deadline(next_at)
+    sup.hint_deadline(next_at - timedelta(milliseconds=1))
+    # Once the Reaper answered an ask sent after them, it handled every hint sent.
+    reaper = sup.reaper
+    assert reaper is not None
+    await asyncio.to_thread(reaper.ask, "after the hints", timeout=10)
+    assert cp.stats.get("reaper_hints") == before + 1
 
 
 async def test_a_replayed_ack_or_result_emits_no_second_event(
@@ -400,23 +422,22 @@ async def test_a_backlog_is_assigned_in_growing_passes(repo: Repository) -> None
 async def test_a_lease_actor_that_gets_no_thread_refuses_at_once_and_is_replaced(
     cp: ControlPlane, repo: Repository, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Lease actors start their threads in the background: one that cannot start
-    # answers a retryable error (not a timeout), and the next try starts anew.
+    # Lease actors start their threads in the background (or take an idle one):
+    # one that cannot start answers a retryable error (not a timeout), and the
+    # next try starts anew.
     host = await SimHost.create(cp, repo, "h1")
-    real = pykka.ThreadingActor._start_actor_loop
 
-    def no_thread(self: pykka.ThreadingActor) -> None:
-        if isinstance(self, LeaseActor):
-            raise RuntimeError("can't start new thread")
-        real(self)
+    def no_thread(actor_loop: Any) -> None:
+        raise RuntimeError("can't start new thread")
 
-    monkeypatch.setattr(pykka.ThreadingActor, "_start_actor_loop", no_thread)
-    task_id = await cp.submit(spec())
-    await _state_is(engine, task_id, "assigned")
-    with pytest.raises(Unavailable):
-        await host.claim()
+    with monkeypatch.context() as patched:
+        patched.setattr(LEASE_THREADS, "run", lambda actor_loop: False)  # none idle
+        patched.setattr(LEASE_THREADS, "start", no_thread)
+        task_id = await cp.submit(spec())
+        await _state_is(engine, task_id, "assigned")
+        with pytest.raises(Unavailable):
+            await host.claim()
 
-    monkeypatch.setattr(pykka.ThreadingActor, "_start_actor_loop", real)
     claimed = await host.claim()
     assert claimed is not None and claimed.task_id == task_id
 
