@@ -9,7 +9,7 @@ result's, unless it was a replay) and then tells the actor ``Committed``, on
 which it updates its cache and decides whether to stop (and emits a progress
 report's event if its state changed). The actor does not wait for the commit,
 and neither the answer nor the event comes back through its thread: three
-thread hops fewer per transition. A
+thread hops per transition instead of five, and only two before the answer. A
 failed write is a typed error answer and the actor is not told. Renewals and
 cancel polls go around it, straight to the renewal group commit (see
 ``actors/runtime.py``); it is told of one (``Renewed``) when the answer carries
