@@ -16,7 +16,8 @@ Everything is measured in one run, on this machine, beside its calibration:
   tasks/s from the first submit to the last ``done``; commits per task
   (``pg_stat_database.xact_commit`` of the scratch database over the whole cell,
   start-up and heartbeats included); CPU seconds of the control plane per task;
-  its peak RSS. Then the same tasks one by one at half that rate, for the
+  its peak RSS. Then the same tasks one by one at half that rate (or at
+  ``--paced-rate``, a fixed rate that makes two runs' latencies comparable), for the
   latencies: assignment (the ``queued`` event, emitted after the submit commit,
   to the ``assigned`` event, emitted after the assignment commit) and dispatch
   (the ``assigned`` event to the agent holding the lease), p50/p99/max. Event
@@ -87,6 +88,10 @@ class BenchOptions:
     renew_burst_s: float = 5.0
     recovery_leases: int = 1000
     calibration_s: float = 10.0
+    #: Tasks/s of the latency run (None: half the throughput just measured). A
+    #: fixed rate makes the latencies of two runs comparable: half of each
+    #: run's own maximum moves with it.
+    paced_rate: float | None = None
     peers: bool = False
     database_url: str | None = None
     nats_url: str | None = None
@@ -107,6 +112,11 @@ class BenchOptions:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        rate = self.paced_rate
+        if rate is not None and (
+            isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate <= 100_000
+        ):
+            raise ValueError(f"paced_rate must be a number of tasks/s in (0, 100000], got {rate!r}")
 
 
 # --- small helpers ---------------------------------------------------------------------
@@ -689,8 +699,9 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             tps = len(ids) / max(last - t0, 1e-9)
             saturated = _latencies(ids, events, held_at)
 
-            # Latency at half the throughput just measured: one submit per task.
-            rate = max(tps / 2, 1.0)
+            # Latency at half the throughput just measured (or at --paced-rate):
+            # one submit per task.
+            rate = opts.paced_rate if opts.paced_rate is not None else max(tps / 2, 1.0)
             n_paced = max(1, min(opts.tasks, round(rate * 10)))
             _say(opts, f"latency: {n_paced} tasks at {rate:.0f}/s")
             paced_ids: list[str] = []
@@ -731,7 +742,13 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             "commits_counted_over_tasks": total,
             "peak_rss_mib": round(peak / 2**20, 1),
             "saturated": saturated,
-            "at_half_throughput": {"rate_per_s": round(rate, 1), **paced},
+            "at_half_throughput": {
+                "rate_per_s": round(rate, 1),
+                "rate_from": "--paced-rate"
+                if opts.paced_rate is not None
+                else "half of tasks_per_s",
+                **paced,
+            },
         }
     finally:
         for agent, t in agents:

@@ -56,6 +56,12 @@ def register(sub: Any) -> None:
         "--calibration-s", type=float, default=10.0, help="length of each pgbench run (default 10)"
     )
     p.add_argument(
+        "--paced-rate",
+        type=float,
+        default=None,
+        help="tasks/s of the latency run (default: half the throughput just measured)",
+    )
+    p.add_argument(
         "--peers", action="store_true", help="also run procrastinate and pgqueuer (extra 'bench')"
     )
     p.add_argument(
@@ -84,6 +90,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             renew_period_s=args.renew_period_s,
             renew_burst_s=args.renew_burst_s,
             calibration_s=args.calibration_s,
+            paced_rate=args.paced_rate,
             peers=args.peers,
             database_url=args.database_url or os.environ.get("FLEETLEASE_DATABASE_URL") or None,
             nats_url=args.nats_url or os.environ.get("FLEETLEASE_NATS_URL") or None,

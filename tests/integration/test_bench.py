@@ -44,6 +44,8 @@ def test_bench_with_tiny_sizes_prints_a_report_of_every_cell(
             "0.5",
             "--calibration-s",
             "1",
+            "--paced-rate",
+            "5",
             "--database-url",
             pg_server_url,
             "--nats-url",
@@ -76,6 +78,8 @@ def test_bench_with_tiny_sizes_prints_a_report_of_every_cell(
         "peak_rss_mib",
     ):
         assert isinstance(tp[key], int | float) and tp[key] > 0, key
+    assert tp["at_half_throughput"]["rate_per_s"] == 5.0
+    assert tp["at_half_throughput"]["rate_from"] == "--paced-rate"
     for block in (tp["saturated"], tp["at_half_throughput"]):
         assert set(block["assignment"]) == LATENCY_KEYS
         assert set(block["dispatch"]) == LATENCY_KEYS
