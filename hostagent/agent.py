@@ -1199,9 +1199,11 @@ class Agent:
         try:
             started = loop.time()
             try:
-                assignment = await self._call(lambda c: c.claim(cfg.claim_wait_s, devices))
+                try:
+                    assignment = await self._call(lambda c: c.claim(cfg.claim_wait_s, devices))
+                finally:
+                    self._claims.pop(number, None)  # answered, refused or cut short
             except RemoteError as exc:
-                self._claims.pop(number, None)
                 delay = self._claim_backoff.next_delay()
                 log.warning(
                     "claim_failed",
@@ -1212,7 +1214,6 @@ class Agent:
                 )
                 await self._sleep(delay, self._stopping)
                 return
-            self._claims.pop(number, None)  # answered
             self._claim_backoff.reset()
             if assignment is None:
                 remaining = cfg.min_poll_interval_s - (loop.time() - started)
@@ -1226,7 +1227,6 @@ class Agent:
             self._uncover(devices, number)
             await self._accept(assignment, devices)
         finally:
-            self._claims.pop(number, None)
             self._uncover(devices, number)
 
     async def _accept(self, a: wire.Assignment, devices: list[str]) -> None:
