@@ -1219,12 +1219,17 @@ class Repository:
         if len(ts) == 1:
             return [await self._outcome(ts[0])]
         order = sorted(range(len(ts)), key=lambda i: ts[i].task_id)
-        # One locking read for the batch; a task named twice reads its own row
-        # (the first transition may change it).
-        keys = [(t.task_id, t.attempt, t.host_id) for t in ts if seen[t.task_id] == 1]
+        # One locking read for the batch, of every task it names, in task id
+        # order: a task named twice is locked here too (then reads its own row
+        # again, as the first transition may change it), or two batches naming
+        # the same tasks twice lock them in different orders and deadlock.
+        keys = list({t.task_id: (t.task_id, t.attempt, t.host_id) for t in ts}.values())
 
         async def run(conn: AsyncConnection, now: datetime) -> list[Any]:
-            batch = _Batch(await self._load_fenced_many(conn, keys), defer_writes=distinct)
+            rows = await self._load_fenced_many(conn, keys)
+            if not distinct:
+                rows = {k: r for k, r in rows.items() if seen[k[0]] == 1}
+            batch = _Batch(rows, defer_writes=distinct)
             out: list[Any] = [None] * len(ts)
             for i in order:
                 t = ts[i]

@@ -16,6 +16,7 @@ from actors.groupcommit import RenewBatcher, TransitionBatcher
 from persistence.errors import Conflict, Gone, NotFound, Unauthorized, Unavailable
 from persistence.model import LeaseStatus, Outcome, Session, TaskState
 from persistence.repository import Renewal, Repository, Transition
+from tests.chaos.harness import wait_until
 from tests.integration.test_repository_support import World, world
 
 __all__ = ["world"]
@@ -321,6 +322,60 @@ async def test_the_same_task_twice_in_a_batch_runs_in_order(world: World) -> Non
     assert result.state is TaskState.DONE
     assert isinstance(late_ack, Gone)
     assert (await world.task_row(c.task_id))["status"] == "done"
+
+
+async def test_two_batches_naming_the_same_tasks_twice_lock_them_in_one_order(
+    world: World,
+) -> None:
+    """Two concurrent batches over the same two tasks, each naming a different
+    one of them twice. A batch locks every task it names in its first read, in
+    task id order, so neither holds a row the other wants while waiting for
+    one. (A task named twice used to be locked only when its turn came: these
+    two batches then deadlocked, and PostgreSQL aborted one.)"""
+    h1 = await world.host("h1", ["d1", "d2"])
+    lo, hi = sorted([await world.running(h1) for _ in range(2)], key=lambda c: c.task_id)
+    repo = world.repo
+    arrived = {"a": asyncio.Event(), "b": asyncio.Event()}
+
+    async def other_arrived_or_waits_for_a_row(other: str) -> bool:
+        if arrived[other].is_set():
+            return True
+        async with world.engine.connect() as conn:
+            n = await conn.scalar(sa.text("SELECT count(*) FROM pg_locks WHERE NOT granted"))
+        return bool(n)
+
+    def gated(t: Transition, me: str, other: str) -> Transition:
+        """``t``, which runs first in its batch: the first time, it waits until
+        the other batch has run its first read too, or is blocked by this one."""
+
+        async def run(conn: Any, now: Any, batch: Any) -> Any:
+            if not arrived[me].is_set():
+                arrived[me].set()
+                await wait_until(
+                    lambda: other_arrived_or_waits_for_a_row(other),
+                    timeout=30,
+                    what=f"batch {other} at its first transition or blocked",
+                )
+            return await t.run(conn, now, batch)
+
+        return Transition(t.op, t.task_id, t.attempt, t.host_id, run)
+
+    def report(c: Any, seq: int) -> Transition:
+        return repo.progress_op(h1, c.task_id, c.attempt, c.lease_token, seq)
+
+    with capture_logs() as logs:
+        a, b = await asyncio.wait_for(
+            asyncio.gather(
+                # Each list runs in task id order: ``lo`` first.
+                repo.run_many([gated(report(lo, 1), "a", "b"), report(hi, 2), report(hi, 3)]),
+                repo.run_many([report(hi, 4), gated(report(lo, 5), "b", "a"), report(lo, 6)]),
+            ),
+            60,
+        )
+
+    assert not [e for e in logs if e.get("sqlstate") == "40P01"]
+    assert not [o for o in a + b if isinstance(o, Unavailable)]
+    assert {(await world.task_row(c.task_id))["status"] for c in (lo, hi)} == {"running"}
 
 
 async def test_concurrent_transitions_through_the_batcher_share_commits(world: World) -> None:
