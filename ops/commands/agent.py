@@ -136,7 +136,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from transport.subjects import validate_token
 
     settings = from_args(args).with_context()
-    configure_logging(debug=settings.debug)
+    configure_logging(debug=settings.debug, cache=True)
     try:
         validate_token(args.host_id, "--host-id")
     except ValueError as exc:

@@ -134,7 +134,12 @@ def _quiet_logs() -> None:
 
     import structlog
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    # Once, for the whole run: each logger is assembled on first use (see
+    # ``configure_logging``'s ``cache``), as in ``serve`` and ``agent``.
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR),
+        cache_logger_on_first_use=True,
+    )
 
 
 def _f(value: Any, unit: str = "", digits: int = 1) -> str:

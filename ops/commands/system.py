@@ -628,7 +628,7 @@ async def _serve_precheck(settings: Any, timeout: float = 10.0) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     eventloop.checked_factory(_usage_error)
     settings = from_args(args)
-    configure_logging(debug=settings.debug)
+    configure_logging(debug=settings.debug, cache=True)
     timings = timings_from_args(args)
     try:
         ensure_state_dir(settings.state_dir)
