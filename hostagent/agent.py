@@ -489,6 +489,9 @@ class AgentStats:
     leases_lost: int = 0
     acks_given_up: int = 0
     handed_back: int = 0
+    #: Assignments that arrived for a device whose last attempt was still
+    #: reporting its result, and waited for that report's answer.
+    handovers_waited: int = 0
     log_lines_sent: int = 0
     logs_dropped: int = 0
     artifacts_sent: int = 0
@@ -598,7 +601,15 @@ class Agent:
 
         self._attempts: dict[tuple[str, int], _Attempt] = {}
         self._held: set[str] = set()
-        #: Idle devices covered by an outstanding claim -> that claim's number.
+        #: Held devices whose attempt is reporting its result: claimed for
+        #: already, so that the next assignment waits for no round trip.
+        self._releasing: set[str] = set()
+        #: A releasing device -> the next assignment's wait for it: the finished
+        #: attempt passes the device on (still held, still busy) instead of
+        #: freeing it.
+        self._handover: dict[str, asyncio.Future[None]] = {}
+        #: Claimable devices (idle, or releasing) covered by an outstanding
+        #: claim -> that claim's number.
         self._covered: dict[str, int] = {}
         #: The claims sent and not answered yet: number -> the devices each
         #: lists. No device is listed by two of them.
@@ -1165,7 +1176,13 @@ class Agent:
                 self._wake.clear()
                 devices_now = self.devices.snapshot()
                 idle = {d.device_id for d in devices_now if d.state == "idle"}
-                uncovered = sorted(idle - self._held - self._covered.keys())
+                # A device whose attempt is reporting its result is claimed for
+                # now: the control plane frees and assigns it again at the
+                # result's commit, and a claim parked for it takes the new
+                # assignment at once, not after the report's answer, the
+                # journal clean-up and a new claim's round trip.
+                claimable = (idle - self._held) | (self._releasing - self._handover.keys())
+                uncovered = sorted(claimable - self._covered.keys())
                 size = max(1, -(-len(devices_now) // self.config.claim_polls))
                 for i in range(0, len(uncovered), size):
                     devices = uncovered[i : i + size]
@@ -1231,7 +1248,20 @@ class Agent:
 
     async def _accept(self, a: wire.Assignment, devices: list[str]) -> None:
         fields = {"task_id": a.task_id, "attempt": a.attempt, "device_id": a.device_id}
+        handed = False
         if (
+            a.device_id in devices
+            and a.device_id in self._releasing
+            and a.device_id not in self._handover
+            and (a.task_id, a.attempt) not in self._attempts
+        ):
+            # The device's last attempt is still reporting: the control plane
+            # assigned it again, so it has that result; wait for the report's
+            # answer, then take the device over from it.
+            handed = await self._take_over(a.device_id)
+            if not handed:
+                return  # stopping
+        elif (
             a.device_id not in devices
             or a.device_id in self._held
             or (a.task_id, a.attempt) in self._attempts
@@ -1242,6 +1272,9 @@ class Agent:
         try:
             self._mark(a.device_id, busy=True)
         except UnknownDevice:
+            if handed:
+                self._held.discard(a.device_id)
+                self._wake.set()
             log.warning("assignment_declined", reason="unknown device", **fields)
             return
         self._held.add(a.device_id)
@@ -1281,6 +1314,30 @@ class Agent:
         att = _Attempt(record=record, ack_deadline=a.ack_deadline, holds_device=True)
         self._attempts[record.key] = att
         att.task = asyncio.ensure_future(self._execute(att))
+
+    async def _take_over(self, device_id: str) -> bool:
+        """Wait until the attempt reporting on ``device_id`` passes the device on
+        (held and busy): True, or False if cut short (the agent stops), leaving
+        the device free."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._handover[device_id] = fut
+        self.stats.handovers_waited += 1
+        try:
+            await fut
+            return True
+        except asyncio.CancelledError:
+            if self._handover.get(device_id) is fut:
+                del self._handover[device_id]
+            elif fut.done() and not fut.cancelled():
+                with contextlib.suppress(UnknownDevice):
+                    self._free(device_id)  # passed on to nobody now
+            raise
+
+    def _free(self, device_id: str) -> None:
+        """The held ``device_id`` is free again (idle, claimable)."""
+        self._held.discard(device_id)
+        self._mark(device_id, busy=False)
+        self._wake.set()
 
     # --- one attempt ------------------------------------------------------------------------
     def _request_cancel(self, att: _Attempt) -> None:
@@ -1327,6 +1384,9 @@ class Agent:
                 if outcome is None:
                     return
                 await self._record(att, outcome)
+            if att.holds_device:
+                self._releasing.add(rec.device_id)
+                self._wake.set()
             await self._report(att)
         except _Aborted:
             pass
@@ -1350,8 +1410,13 @@ class Agent:
                     await asyncio.to_thread(journal.remove, rec.task_id, rec.attempt)
             self._attempts.pop(rec.key, None)
             if att.holds_device:
-                self._held.discard(rec.device_id)
-                self._mark(rec.device_id, busy=False)
+                self._releasing.discard(rec.device_id)
+                successor = self._handover.pop(rec.device_id, None)
+                if successor is not None and not successor.done():
+                    successor.set_result(None)  # held and busy, by the next attempt
+                else:
+                    self._held.discard(rec.device_id)
+                    self._mark(rec.device_id, busy=False)
             self._wake.set()
 
     async def _count_resume(self, att: _Attempt) -> str | None:

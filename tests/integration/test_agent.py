@@ -494,6 +494,46 @@ async def test_idle_devices_are_split_between_claims_and_each_covered_by_exactly
     assert polls <= 4
 
 
+async def test_a_device_reporting_its_result_is_claimed_for_and_handed_to_the_next_task(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    """While an attempt reports its result, its device is claimed for already:
+    the control plane assigns it again at the result's commit and the parked
+    claim takes that assignment at once. The agent acks the new task only once
+    the report is answered, and the finished attempt hands the device over
+    (never idle in between, never two attempts on it)."""
+    system = await make_system()
+    reported = asyncio.Event()
+    answer = asyncio.Event()
+
+    class SlowAnswer(Agent):
+        async def _report(self, att: Any) -> None:
+            await super()._report(att)  # the control plane has the result
+            if not reported.is_set():
+                reported.set()
+                await answer.wait()  # and its answer is still on the way
+
+    await system.add_host("h1")
+    manager = SimulatedDeviceManager(1, prefix="h1-dev")
+    agent = SlowAnswer(system.config("h1"), manager)
+    system.agents.append(RunningAgent(agent, asyncio.create_task(agent.run()), manager))
+    first = await system.submit()
+    second = await system.submit()
+    await system.wait_state(first, "done")
+    await eventually(lambda: _value(reported.is_set()), bool)
+    # Claimed on the only device while the first report is unanswered (without
+    # a claim for a reporting device it stays assigned until the answer)...
+    await system.wait_state(second, "dispatched")
+    await eventually(lambda: _value(agent.stats.handovers_waited), lambda n: n == 1)
+    # ...and not acked before it: one attempt at a time on the device.
+    assert (await system.view(second))["state"] == "dispatched"
+    assert [d.state for d in manager.snapshot()] == ["busy"]
+    answer.set()
+    await system.wait_state(second, "done")
+    await eventually(lambda: _value([d.state for d in manager.snapshot()]), lambda s: s == ["idle"])
+    assert agent.stats.results_reported == 2
+
+
 async def _value(v: T) -> T:
     return v
 
