@@ -1258,9 +1258,8 @@ class Agent:
             # The device's last attempt is still reporting: the control plane
             # assigned it again, so it has that result; wait for the report's
             # answer, then take the device over from it.
-            handed = await self._take_over(a.device_id)
-            if not handed:
-                return  # stopping
+            await self._take_over(a.device_id)
+            handed = True
         elif (
             a.device_id not in devices
             or a.device_id in self._held
@@ -1315,16 +1314,15 @@ class Agent:
         self._attempts[record.key] = att
         att.task = asyncio.ensure_future(self._execute(att))
 
-    async def _take_over(self, device_id: str) -> bool:
+    async def _take_over(self, device_id: str) -> None:
         """Wait until the attempt reporting on ``device_id`` passes the device on
-        (held and busy): True, or False if cut short (the agent stops), leaving
-        the device free."""
+        (held and busy). Cancelled (the agent stops), it leaves the device to be
+        freed as usual, or frees it if it was passed on already."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._handover[device_id] = fut
         self.stats.handovers_waited += 1
         try:
             await fut
-            return True
         except asyncio.CancelledError:
             if self._handover.get(device_id) is fut:
                 del self._handover[device_id]
