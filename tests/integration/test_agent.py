@@ -534,6 +534,41 @@ async def test_a_device_reporting_its_result_is_claimed_for_and_handed_to_the_ne
     assert agent.stats.results_reported == 2
 
 
+async def test_an_agent_stopping_while_an_assignment_waits_for_its_device_frees_it(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    """A stop cancels an assignment waiting for a reporting device: the finished
+    attempt then frees the device instead of handing it over, the waiting task
+    is never acked, and after its ack deadline it runs on a fresh agent."""
+    system = await make_system(ack_s=2.0)
+    answer = asyncio.Event()
+
+    class SlowAnswer(Agent):
+        async def _report(self, att: Any) -> None:
+            await super()._report(att)
+            await answer.wait()
+
+    await system.add_host("h1")
+    manager = SimulatedDeviceManager(1, prefix="h1-dev")
+    agent = SlowAnswer(system.config("h1"), manager)
+    task = asyncio.create_task(agent.run())
+    first = await system.submit()
+    second = await system.submit()
+    await system.wait_state(first, "done")
+    await eventually(lambda: _value(agent.stats.handovers_waited), lambda n: n == 1)
+    agent.stop()
+    # The stop cancels the claims in flight, the waiting one included...
+    await eventually(lambda: _value(dict(agent._handover)), lambda h: not h)
+    answer.set()
+    await asyncio.wait_for(task, 60)
+    # ...so the finished attempt freed the device, and nobody acked the second.
+    assert not agent._held and [d.state for d in manager.snapshot()] == ["idle"]
+    assert (await system.view(second))["attempts"][0]["acked_at"] is None
+    await system.start_agent("h1", devices=1)
+    done = await system.wait_state(second, "done")
+    assert done["attempt"] == 2
+
+
 async def _value(v: T) -> T:
     return v
 
