@@ -22,7 +22,10 @@ Everything is measured in one run, on this machine, beside its calibration:
   to the ``assigned`` event, emitted after the assignment commit) and dispatch
   (the ``assigned`` event to the agent holding the lease), p50/p99/max. Event
   times are the control plane's wall clock, the agent's is the benchmark's: one
-  machine, one clock.
+  machine, one clock. An agent claims for a device while its last attempt
+  reports the result, so a lease may reach it before that device is free: it
+  holds the lease then (dispatch ends) and acks once the device is handed over
+  (the wait is in the ack phase); ``handovers_waited`` counts those.
 * **renewals**: ``--renew-leases`` leases held by bare ``HostClient`` hosts and
   renewed as fast as they go (renewals/s, CPU per renewal, commits per renewal),
   then each once per ``--renew-period-s`` (CPU of the control plane in cores,
@@ -723,6 +726,7 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
         for agent, _ in agents:
             agent.stop()
         await asyncio.gather(*(asyncio.wait_for(t, 60) for _, t in agents))
+        handovers = sum(agent.stats.handovers_waited for agent, _ in agents)
         agents.clear()
         await serve.stop()
         total = len(warm) + len(ids) + len(paced_ids)
@@ -741,6 +745,11 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             "commits_per_task": round(commits / total, 3),
             "commits_counted_over_tasks": total,
             "peak_rss_mib": round(peak / 2**20, 1),
+            # Assignments (of the whole cell) that reached an agent while the
+            # device's last attempt still waited for its result's answer: the
+            # host held the lease (dispatch ends) and acked once the device
+            # was handed over (in the ack phase).
+            "handovers_waited": handovers,
             "saturated": saturated,
             "at_half_throughput": {
                 "rate_per_s": round(rate, 1),

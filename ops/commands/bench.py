@@ -197,6 +197,12 @@ def print_report(r: dict[str, Any]) -> None:
             _f(tp["machine_cpu_s_per_task"] * 1000, " ms", 3),
         )
     table.add_row("", "control-plane peak RSS", _f(tp["peak_rss_mib"], " MiB"))
+    if tp.get("handovers_waited") is not None:
+        table.add_row(
+            "",
+            "assignments that waited for the device's last report",
+            f"{tp['handovers_waited']:,}",
+        )
     table.add_row("", "assignment latency, saturated", _lat(tp["saturated"]["assignment"]))
     table.add_row("", "dispatch latency, saturated", _lat(tp["saturated"]["dispatch"]))
     phases = tp["saturated"].get("phases") or {}

@@ -78,6 +78,7 @@ def test_bench_with_tiny_sizes_prints_a_report_of_every_cell(
         "peak_rss_mib",
     ):
         assert isinstance(tp[key], int | float) and tp[key] > 0, key
+    assert isinstance(tp["handovers_waited"], int) and tp["handovers_waited"] >= 0
     assert tp["at_half_throughput"]["rate_per_s"] == 5.0
     assert tp["at_half_throughput"]["rate_from"] == "--paced-rate"
     for block in (tp["saturated"], tp["at_half_throughput"]):
