@@ -834,6 +834,67 @@ class Repository:
         _check_int(limit, "limit", 1, 10_000)
         return await self._tx("assign", lambda conn, now: self._assign(conn, now, limit))
 
+    async def assign_and_claim(
+        self, *, limit: int = 64, claimer: Callable[[Assignment], Session | None]
+    ) -> tuple[list[Assignment], list[Claimed]]:
+        """``assign``, and in the same transaction a claim of each new
+        assignment that has a claimer: ``claimer`` is asked once per
+        assignment, in rank order, and returns the session of a host request
+        waiting for that work now (a parked long-poll), or None. Each such
+        claim is the claim ``claim`` would make for that session (fenced the
+        same way: current session, owning host), written by the transaction
+        that assigns, so the request is answered with the lease at the
+        assignment's commit. A claim refused (the session was superseded)
+        leaves its assignment assigned, to be claimed as usual. Returns the
+        assignments and the claims made."""
+        _check_int(limit, "limit", 1, 10_000)
+        if not callable(claimer):
+            raise Invalid("claimer must be a callable", field="claimer")
+
+        async def run(
+            conn: AsyncConnection, now: datetime
+        ) -> tuple[list[Assignment], list[Claimed]]:
+            won = await self._assign(conn, now, limit)
+            return won, await self._claim_assigned(conn, now, won, claimer)
+
+        return await self._tx("assign", run)
+
+    async def _claim_assigned(
+        self,
+        conn: AsyncConnection,
+        now: datetime,
+        won: Sequence[Assignment],
+        claimer: Callable[[Assignment], Session | None],
+    ) -> list[Claimed]:
+        """Claim, in the assigning transaction, the assignments just made that
+        have a claimer: one read of their rows (locked already), their writes in
+        one statement at the end, as a group commit of claims does."""
+        mine: list[tuple[Assignment, Session]] = []
+        for a in won:  # rank order
+            session = claimer(a)
+            if session is not None:
+                _check_session(session)
+                mine.append((a, session))
+        if not mine:
+            return []
+        mine.sort(key=lambda item: item[0].task_id)
+        batch = _Batch(
+            await self._load_fenced_many(
+                conn, [(a.task_id, a.attempt, a.host_id) for a, _ in mine]
+            ),
+            defer_writes=True,
+        )
+        claimed: list[Claimed] = []
+        for a, session in mine:
+            op = self.claim_op(session, a.task_id, a.attempt)
+            try:
+                claimed.append(await op.run(conn, now, batch))
+            except RepositoryError as exc:
+                log.info("repository.claim_at_assign_refused", task_id=a.task_id, code=exc.code)
+        if batch.writes:
+            await self._write_deferred(conn, batch, now)
+        return claimed
+
     def _free_params(self, now: datetime) -> dict[str, Any]:
         return {"now": now, "live_after": now - timedelta(seconds=self.timings.liveness_s)}
 

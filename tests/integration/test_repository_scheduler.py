@@ -5,11 +5,13 @@ terminal results fenced by the active lease."""
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
-from persistence.errors import Conflict, Gone, Unauthorized
+from persistence.errors import Conflict, Gone, Invalid, Unauthorized
 from persistence.model import DeviceSnapshot, EndReason, Outcome, Session, TaskState
+from persistence.secrets import hash_secret
 from tests.integration.test_repository_support import World, world
 
 __all__ = ["world"]
@@ -167,6 +169,68 @@ async def test_owning_host_claims_once_and_the_task_becomes_dispatched(world: Wo
     with pytest.raises(Conflict) as err:
         await world.repo.claim(session, a.task_id, a.attempt)
     assert err.value.fields["reason"] == "already_claimed"
+
+
+async def test_a_claim_made_in_the_assigning_transaction_is_the_owning_hosts_one_claim(
+    world: World,
+) -> None:
+    s1 = await world.host("h1", ["d1", "d2"])
+    await world.host("h2", ["e1"])
+    ids = {await world.submit() for _ in range(3)}
+    asked: list[str] = []
+
+    def claimer(a: Any) -> Session | None:
+        # A claimer for one of h1's two devices.
+        asked.append(a.task_id)
+        return s1 if (a.host_id, a.device_id) == ("h1", "d2") else None
+
+    got, claims = await world.repo.assign_and_claim(claimer=claimer)
+
+    assert {a.task_id for a in got} == ids and sorted(asked) == sorted(ids)
+    (claimed,) = claims
+    assert (claimed.host_id, claimed.device_id) == ("h1", "d2")
+    (a,) = [a for a in got if a.task_id == claimed.task_id]
+    assert (claimed.attempt, claimed.lease_id) == (a.attempt, a.lease_id)
+    states = {t: (await world.task_row(t))["status"] for t in ids}
+    assert sorted(states.values()) == ["assigned", "assigned", "dispatched"]
+    assert states[claimed.task_id] == "dispatched"
+    (attempt,) = await world.attempt_rows(claimed.task_id)
+    assert attempt["lease_token_hash"] == hash_secret(claimed.lease_token)
+    assert attempt["session_generation"] == s1.generation
+    # It is the one claim: another is refused, the lease token works.
+    with pytest.raises(Conflict) as err:
+        await world.repo.claim(s1, claimed.task_id, claimed.attempt)
+    assert err.value.fields["reason"] == "already_claimed"
+    status = await world.repo.ack(s1, claimed.task_id, claimed.attempt, claimed.lease_token)
+    assert status.state is TaskState.RUNNING
+
+
+async def test_a_superseded_claimer_is_refused_and_its_assignment_stays_assigned(
+    world: World,
+) -> None:
+    old = await world.host("h1", ["d1"])
+    new = await world.host("h1", ["d1"])  # registered again: ``old`` is superseded
+    task_id = await world.submit()
+
+    got, claims = await world.repo.assign_and_claim(claimer=lambda a: old)
+
+    assert [a.task_id for a in got] == [task_id] and claims == []
+    assert (await world.task_row(task_id))["status"] == "assigned"
+    claimed = await world.repo.claim(new, task_id, 1)
+    assert claimed.task_id == task_id
+
+
+@pytest.mark.parametrize("claimer", [None, "h1", lambda a: "h1", lambda a: a.host_id])
+async def test_a_bad_claimer_is_invalid_and_assigns_nothing(world: World, claimer: Any) -> None:
+    session = await world.host("h1", ["d1"])
+    task_id = await world.submit()
+
+    with pytest.raises(Invalid):
+        await world.repo.assign_and_claim(claimer=claimer)
+
+    assert (await world.task_row(task_id))["status"] == "queued"
+    got, claims = await world.repo.assign_and_claim(claimer=lambda a: session)
+    assert [a.task_id for a in got] == [task_id] and len(claims) == 1
 
 
 async def test_claim_next_returns_the_oldest_assignment_of_this_host_or_none(
