@@ -109,6 +109,13 @@ class Context:
     #: Runs a fenced host transition (claim, ack, progress, result): group commit
     #: through ``run_many`` when enabled, else ``repo.run_one``.
     transition: Callable[[Transition], Coroutine[Any, Any, Any]] | None = None
+    #: One assignment pass of ``limit`` on the loop: the assignments, and the
+    #: task ids of those already claimed by a parked long-poll in the same
+    #: transaction (their Lease actors, events and answers done). None:
+    #: ``repo.assign`` alone.
+    assign: Callable[[int], Coroutine[Any, Any, tuple[list[Assignment], frozenset[str]]]] | None = (
+        None
+    )
     stats: Stats = field(default_factory=Stats)
     supervisor: Supervisor | None = None
 

@@ -68,6 +68,7 @@ from actors.messages import (
     Cancel,
     CancelPoll,
     Claim,
+    Committed,
     Message,
     Progress,
     Renew,
@@ -187,12 +188,26 @@ class _Kept:
 @dataclass(eq=False)
 class _Waiter:
     """A parked long-poll: the devices it claims for (None: any device of the
-    host), its session's generation, and the new assignments ``wake_hosts``
-    handed to it to claim."""
+    host), its session, and the new assignments ``wake_hosts`` handed to it to
+    claim.
+
+    While ``parked`` (waiting, nothing in hand), an assignment pass may take it
+    as a claimer (``reserved``, see ``ControlPlane._assign_pass``): the poll
+    then waits for the pass to settle that future, and answers with
+    ``claimed`` if the pass claimed an assignment for it."""
 
     wanted: frozenset[str] | None
-    generation: int
+    session: Session
     hints: list[Assignment] = field(default_factory=list)
+    parked: bool = False
+    reserved: asyncio.Future[None] | None = None
+    claimed: Claimed | None = None
+    #: The poll stopped waiting for good (cancelled): nothing can answer it.
+    gone: bool = False
+
+    @property
+    def generation(self) -> int:
+        return self.session.generation
 
     def may_claim(self, device_id: str) -> bool:
         return self.wanted is None or device_id in self.wanted
@@ -312,6 +327,7 @@ class ControlPlane:
             wake_hosts=self._wake_hosts_threadsafe,
             renew=self._batcher.renew if self._batcher is not None else None,
             transition=self._tbatcher.run if self._tbatcher is not None else None,
+            assign=self._assign_pass,
             stats=self.stats,
         )
         sup = Supervisor(self._ctx)
@@ -461,7 +477,7 @@ class ControlPlane:
                     # Register before looking, so a signal between the look and the
                     # wait is not lost.
                     woken: asyncio.Future[None] = loop.create_future()
-                    waiter = _Waiter(wanted, session.generation)
+                    waiter = _Waiter(wanted, session)
                     self._waiters.setdefault(host, {})[woken] = waiter
                     try:
                         hints.extend(
@@ -481,16 +497,30 @@ class ControlPlane:
                         wait = remaining
                         if known_until is not None:
                             wait = min(remaining, known_until - loop.time())
+                        timed_out = False
+                        waiter.parked = True
                         try:
                             async with asyncio.timeout(max(wait, 0.0)):
                                 await woken
                         except TimeoutError:
+                            timed_out = True
+                        finally:
+                            waiter.parked = False
+                        if waiter.reserved is not None:
+                            # An assignment pass took this poll as a claimer:
+                            # its answer may be a claim already committed.
+                            await self._settled(waiter.reserved)
+                        if waiter.claimed is not None:
+                            claimed = waiter.claimed
+                            return claimed
+                        if timed_out:
                             if wait < remaining:
                                 continue  # what was known expired: read now
                             return None
                         if not self._accepting:
                             return None
                     finally:
+                        waiter.gone = True
                         waiters = self._waiters.get(host)
                         if waiters is not None:
                             waiters.pop(woken, None)
@@ -504,6 +534,87 @@ class ControlPlane:
                     for a in hints:
                         if claimed is None or claimed.task_id != a.task_id:
                             self._hand(a)
+
+    async def _settled(self, reserved: asyncio.Future[None]) -> None:
+        try:
+            async with asyncio.timeout(self.db_timeout_s + 1.0):
+                await asyncio.shield(reserved)
+        except TimeoutError:  # the pass settles it in a finally: not seen
+            log.error("control_plane.claimer_not_settled")
+
+    async def _assign_pass(self, limit: int) -> tuple[list[Assignment], frozenset[str]]:
+        """One assignment pass, on the loop (``Context.assign``): the Scheduler's
+        ``repo.assign``, with the long-polls parked now as claimers
+        (``repo.assign_and_claim``). A new assignment that a poll parked for its
+        device, with nothing in hand, may claim is claimed for that poll in the
+        transaction that assigns: the poll answers with the lease at that
+        commit, not after a hand-off to the poll, a hop to the Lease actor and a
+        commit of its own. Its Lease actor is started and told the claim, and
+        its ``assigned`` and ``dispatched`` events emitted, before the answer
+        leaves; the Scheduler does the rest. Returns the assignments and the
+        ids of the tasks claimed."""
+        if not self._waiters or not self._accepting:
+            return await self.repo.assign(limit=limit), frozenset()
+        loop = self.loop
+        chosen: dict[str, tuple[asyncio.Future[None], _Waiter]] = {}
+
+        def claimer(a: Assignment) -> Session | None:
+            # Asked in the assigning transaction, once per new assignment (again
+            # if the transaction runs again).
+            if a.task_id in chosen:
+                return chosen[a.task_id][1].session
+            best: tuple[asyncio.Future[None], _Waiter] | None = None
+            for woken, w in self._waiters.get(a.host_id, {}).items():
+                if (
+                    w.parked
+                    and w.reserved is None
+                    and not w.hints
+                    and not woken.done()
+                    and w.wanted is not None
+                    and a.device_id in w.wanted
+                    and (best is None or w.generation > best[1].generation)
+                ):
+                    best = (woken, w)
+            if best is None:
+                return None
+            best[1].reserved = loop.create_future()
+            chosen[a.task_id] = best
+            return best[1].session
+
+        try:
+            batch, claims = await self.repo.assign_and_claim(limit=limit, claimer=claimer)
+            if not claims:
+                return batch, frozenset()
+            by_task = {a.task_id: a for a in batch}
+            sup = self.supervisor
+            events: list[dict[str, Any]] = []
+            for c in claims:
+                woken, w = chosen[c.task_id]
+                a = by_task[c.task_id]
+                try:
+                    ref: ActorRef[LeaseActor] | None = sup.ensure_lease(a)
+                except Unavailable:
+                    ref = None  # shutting down: the answer still goes out
+                if w.gone:
+                    # Cancelled while the pass ran (its connection closed): the
+                    # lease is never acknowledged and expires at its ack deadline.
+                    log.warning("control_plane.claim_at_assign_undelivered", task_id=c.task_id)
+                else:
+                    w.claimed = c
+                    self._wake(woken)
+                if ref is not None:
+                    with contextlib.suppress(ActorDeadError):
+                        ref.tell(Committed(kind="claim", outcome=c))
+                events.append(self._event(a.task_id, "assigned", a.attempt, a.host_id))
+                events.append(self._event(a.task_id, "dispatched", c.attempt, a.host_id))
+            self.stats.incr("claims_at_assign", len(claims))
+            self._dispatch(events)
+            return batch, frozenset(c.task_id for c in claims)
+        finally:
+            for _, w in chosen.values():
+                reserved, w.reserved = w.reserved, None
+                if reserved is not None and not reserved.done():
+                    reserved.set_result(None)
 
     async def _claim_hinted(self, session: Session, hints: list[Assignment]) -> Claimed | None:
         """Claim the first still claimable of ``hints``, in claim-deadline order,

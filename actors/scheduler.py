@@ -4,9 +4,12 @@ It is woken (coalesced, see :meth:`actors.supervisor.Supervisor.wake_scheduler`)
 by submits, heartbeats, released reservations, expiries and a timer. Each pass
 calls ``repo.assign(limit)`` while it returns a full batch; fairness across
 projects and priority within a project are the repository's ``assign`` (one
-transaction per batch, SKIP LOCKED). For every new assignment it starts a Lease
-actor through the supervisor, tells the Reaper about the claim deadline and
-hands it to a long-poll of its host, which claims it without a read.
+transaction per batch, SKIP LOCKED); through ``Context.assign`` the pass runs
+on the loop and also claims, in the same transaction, the assignments a parked
+long-poll of its host is waiting for (``ControlPlane._assign_pass``). For every
+new assignment it starts a Lease actor through the supervisor, tells the Reaper
+about the claim deadline and hands the unclaimed ones to a long-poll of their
+host, which claims it without a read.
 
 It holds no state of its own: after a crash, the replacement's first message is
 :class:`~actors.messages.Rebuild`, which makes sure every active attempt in the
@@ -48,14 +51,17 @@ class SchedulerActor(FleetActor):
             failpoints.hit(failpoints.SCHEDULER_BEFORE_ASSIGN)
             self.ctx.stats.incr("assign_calls")
             try:
-                batch: list[Assignment] = self.ctx.db(self.ctx.repo.assign(limit=limit))
+                if self.ctx.assign is not None:
+                    batch, claimed = self.ctx.db(self.ctx.assign(limit))
+                else:
+                    batch, claimed = self.ctx.db(self.ctx.repo.assign(limit=limit)), frozenset()
             except RepositoryError as exc:
                 # The timer wakes us again; nothing was assigned.
                 log.warning("scheduler.assign_failed", error=exc.message, code=exc.code)
                 return
             failpoints.hit(failpoints.SCHEDULER_AFTER_ASSIGN_COMMIT)
             if batch:
-                self._started(batch)
+                self._started(batch, claimed)
             if len(batch) < limit:
                 return
             # A backlog: larger passes, each reading the free devices once for
@@ -63,18 +69,24 @@ class SchedulerActor(FleetActor):
             # passes, each reading every free device).
             limit = min(limit * 2, _MAX_ASSIGN_BATCH)
 
-    def _started(self, batch: list[Assignment]) -> None:
+    def _started(self, batch: list[Assignment], claimed: frozenset[str]) -> None:
+        """Lease actors for the new assignments, and the hosts told. Those
+        ``claimed`` at the assignment's commit have their actor, events and
+        answer already (``ControlPlane._assign_pass``)."""
         self.ctx.stats.incr("assigned", len(batch))
         for a in batch:
             self.ctx.sup.ensure_lease(a)
         self.ctx.sup.hint_deadline(min(a.claim_deadline for a in batch))
-        self.ctx.wake_hosts(batch)
+        waiting = [a for a in batch if a.task_id not in claimed]
+        if not waiting:
+            return
+        self.ctx.wake_hosts(waiting)
         self.ctx.emit(
             [
                 self.ctx.event(
                     task_id=a.task_id, state="assigned", attempt=a.attempt, host_id=a.host_id
                 )
-                for a in batch
+                for a in waiting
             ]
         )
 

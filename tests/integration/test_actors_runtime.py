@@ -181,6 +181,99 @@ async def test_a_waiting_claim_is_woken_by_a_new_assignment(
     assert cp.host_wakeups >= 1
 
 
+async def _written_by_the_assigning_transaction(engine: AsyncEngine, task_id: str) -> bool:
+    """Whether the task's current attempt row was last written by the
+    transaction that reserved its device (the assignment's)."""
+    async with engine.connect() as conn:
+        row = (
+            await conn.execute(
+                text(
+                    "SELECT a.xmin::text = r.xmin::text AS same FROM attempts a"
+                    " JOIN device_reservations r ON r.task_id = a.task_id"
+                    " WHERE a.task_id = :t ORDER BY a.number DESC LIMIT 1"
+                ),
+                {"t": task_id},
+            )
+        ).first()
+    assert row is not None, "no reserved attempt"
+    return bool(row.same)
+
+
+async def test_a_claim_parked_for_a_device_is_answered_by_the_assigning_transaction(
+    cp: ControlPlane, engine: AsyncEngine, events: list[dict[str, Any]]
+) -> None:
+    host = await SimHost.create(cp, cp.repo, "h1")
+    waiting = asyncio.create_task(host.claim(wait_s=60, device_ids=host.devices))
+    await wait_until(
+        lambda: any(w.parked for w in cp._waiters.get("h1", {}).values()),
+        what="the claim to park",
+    )
+    task_id = await cp.submit(spec())
+    claimed = await asyncio.wait_for(waiting, 30)
+    assert claimed is not None and claimed.task_id == task_id
+    # The claim (dispatched, lease token hash, ack deadline) was written by the
+    # transaction that assigned, not by one of its own after the assignment.
+    assert await _state_is_now(engine, task_id) == "dispatched"
+    assert await _written_by_the_assigning_transaction(engine, task_id)
+    assert cp.stats.get("claims_at_assign") == 1
+    mine = [e["state"] for e in events if e["task_id"] == task_id and e["state"] != "queued"]
+    assert mine[:2] == ["assigned", "dispatched"]
+    # Its Lease actor knows: the ack, the result go through as usual.
+    assert (await host.ack(claimed)).state is TaskState.RUNNING
+    await host.report(claimed)
+    await _state_is(engine, task_id, "done")
+
+
+async def _state_is_now(engine: AsyncEngine, task_id: str) -> str:
+    return str(await task_state(engine, task_id))
+
+
+async def test_a_parked_claim_for_several_devices_takes_one_of_the_assignments_made_together(
+    cp: ControlPlane, engine: AsyncEngine
+) -> None:
+    host = await SimHost.create(cp, cp.repo, "h1", n_devices=3)
+    waiting = asyncio.create_task(host.claim(wait_s=60, device_ids=host.devices))
+    await wait_until(
+        lambda: any(w.parked for w in cp._waiters.get("h1", {}).values()),
+        what="the claim to park",
+    )
+    ids = await cp.submit_many([spec(), spec(), spec()])
+    claimed = await asyncio.wait_for(waiting, 30)
+    assert claimed is not None and claimed.task_id in ids
+    await wait_until(lambda: cp.stats.get("assigned") == 3, what="all three assigned")
+    others = [t for t in ids if t != claimed.task_id]
+    for t in others:
+        await _state_is(engine, t, "assigned")
+    # The host's next polls claim the other two as usual.
+    got = {claimed.task_id}
+    for _ in others:
+        c = await host.claim(wait_s=30, device_ids=host.devices)
+        assert c is not None
+        got.add(c.task_id)
+    assert got == set(ids)
+
+
+async def test_a_parked_claim_of_a_superseded_session_is_not_claimed_for_at_assignment(
+    cp: ControlPlane, engine: AsyncEngine
+) -> None:
+    host = await SimHost.create(cp, cp.repo, "h1")
+    waiting = asyncio.create_task(cp.claim(host.s, wait_s=60, device_ids=host.devices))
+    await wait_until(
+        lambda: any(w.parked for w in cp._waiters.get("h1", {}).values()),
+        what="the claim to park",
+    )
+    host.session = await cp.register("h1", host.credential)
+    task_id = await cp.submit(spec())
+    # The assigning transaction refuses the old session's claim, as a claim of
+    # its own would; the old poll is then handed the assignment and refused too.
+    with pytest.raises(Unauthorized):
+        await asyncio.wait_for(waiting, 30)
+    assert cp.stats.get("claims_at_assign") == 0
+    await _state_is(engine, task_id, "assigned")
+    claimed = await host.claim(wait_s=30, device_ids=host.devices)
+    assert claimed is not None and claimed.task_id == task_id
+
+
 class _CountingRepository(Repository):
     """The real repository, counting the long-polls' reads of pending assignments."""
 
