@@ -25,7 +25,10 @@ Everything is measured in one run, on this machine, beside its calibration:
   machine, one clock. An agent claims for a device while its last attempt
   reports the result, so a lease may reach it before that device is free: it
   holds the lease then (dispatch ends) and acks once the device is handed over
-  (the wait is in the ack phase); ``handovers_waited`` counts those.
+  (the wait is in the ack phase); ``handovers_waited`` counts those. A lease
+  claimed by the transaction that assigned it (an agent's claim was parked for
+  the device) is held at the assignment's commit: ``claimed_at_assignment`` is
+  the share of attempts claimed so, saturated and paced.
 * **renewals**: ``--renew-leases`` leases held by bare ``HostClient`` hosts and
   renewed as fast as they go (renewals/s, CPU per renewal, commits per renewal),
   then each once per ``--renew-period-s`` (CPU of the control plane in cores,
@@ -210,6 +213,26 @@ async def _xact_commit(url: str) -> int:
         return int(value)
     finally:
         await conn.close()
+
+
+async def _claimed_at_assignment(url: str, task_ids: Sequence[str]) -> float | None:
+    """The share of these tasks' attempts claimed by the transaction that
+    assigned them (a long-poll was parked for the device: ``claimed_at`` is
+    the assignment's own time)."""
+    import asyncpg
+
+    if not task_ids:
+        return None
+    conn = await asyncpg.connect(_libpq_url(url))
+    try:
+        row = await conn.fetchrow(
+            "SELECT count(*) FILTER (WHERE claimed_at = assigned_at) AS fused, count(*) AS n"
+            " FROM attempts WHERE task_id = ANY($1::uuid[])",
+            list(task_ids),
+        )
+    finally:
+        await conn.close()
+    return round(row["fused"] / row["n"], 3) if row["n"] else None
 
 
 def _libpq_url(url: str) -> str:
@@ -731,6 +754,8 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
         await serve.stop()
         total = len(warm) + len(ids) + len(paced_ids)
         commits = await _xact_commit(fleet.db_url) - commits_before
+        saturated["claimed_at_assignment"] = await _claimed_at_assignment(fleet.db_url, ids)
+        paced["claimed_at_assignment"] = await _claimed_at_assignment(fleet.db_url, paced_ids)
         return {
             "tasks": len(ids),
             "tasks_per_s": round(tps, 1),

@@ -203,6 +203,12 @@ def print_report(r: dict[str, Any]) -> None:
             "assignments that waited for the device's last report",
             f"{tp['handovers_waited']:,}",
         )
+    for key, what in (("saturated", "saturated"), ("at_half_throughput", "paced")):
+        share = tp[key].get("claimed_at_assignment")
+        if share is not None:
+            table.add_row(
+                "", f"leases claimed by the assigning transaction, {what}", f"{share:.0%}"
+            )
     table.add_row("", "assignment latency, saturated", _lat(tp["saturated"]["assignment"]))
     table.add_row("", "dispatch latency, saturated", _lat(tp["saturated"]["dispatch"]))
     phases = tp["saturated"].get("phases") or {}

@@ -81,11 +81,15 @@ def test_bench_with_tiny_sizes_prints_a_report_of_every_cell(
     assert isinstance(tp["handovers_waited"], int) and tp["handovers_waited"] >= 0
     assert tp["at_half_throughput"]["rate_per_s"] == 5.0
     assert tp["at_half_throughput"]["rate_from"] == "--paced-rate"
+    # One at a time, 0.2 s apart: the agents' claims are parked for their idle
+    # devices, and are answered by the transaction that assigns.
+    assert tp["at_half_throughput"]["claimed_at_assignment"] > 0
     for block in (tp["saturated"], tp["at_half_throughput"]):
         assert set(block["assignment"]) == LATENCY_KEYS
         assert set(block["dispatch"]) == LATENCY_KEYS
         assert block["assignment"]["n"] > 0 and block["dispatch"]["n"] > 0
         assert set(block["phases"]) == {"claim", "ack", "report"}
+        assert 0 <= block["claimed_at_assignment"] <= 1
         for phase in block["phases"].values():
             assert set(phase) == LATENCY_KEYS and phase["n"] > 0
 
