@@ -558,23 +558,16 @@ class ControlPlane:
         loop = self.loop
         chosen: dict[str, tuple[asyncio.Future[None], _Waiter]] = {}
 
+        def waiting(host_id: str, device_id: str) -> _Waiter | None:
+            best = self._claimer(host_id, device_id)
+            return None if best is None else best[1]
+
         def claimer(a: Assignment) -> Session | None:
             # Asked in the assigning transaction, once per new assignment (again
             # if the transaction runs again).
             if a.task_id in chosen:
                 return chosen[a.task_id][1].session
-            best: tuple[asyncio.Future[None], _Waiter] | None = None
-            for woken, w in self._waiters.get(a.host_id, {}).items():
-                if (
-                    w.parked
-                    and w.reserved is None
-                    and not w.hints
-                    and not woken.done()
-                    and w.wanted is not None
-                    and a.device_id in w.wanted
-                    and (best is None or w.generation > best[1].generation)
-                ):
-                    best = (woken, w)
+            best = self._claimer(a.host_id, a.device_id)
             if best is None:
                 return None
             best[1].reserved = loop.create_future()
@@ -582,7 +575,9 @@ class ControlPlane:
             return best[1].session
 
         try:
-            batch, claims = await self.repo.assign_and_claim(limit=limit, claimer=claimer)
+            batch, claims = await self.repo.assign_and_claim(
+                limit=limit, claimer=claimer, waiting=waiting
+            )
             if not claims:
                 return batch, frozenset()
             by_task = {a.task_id: a for a in batch}
@@ -615,6 +610,24 @@ class ControlPlane:
                 reserved, w.reserved = w.reserved, None
                 if reserved is not None and not reserved.done():
                     reserved.set_result(None)
+
+    def _claimer(self, host_id: str, device_id: str) -> tuple[asyncio.Future[None], _Waiter] | None:
+        """The long-poll an assignment pass may claim an assignment on this
+        device for: parked for it, nothing in hand, not taken by the pass
+        already; of the newest session."""
+        best: tuple[asyncio.Future[None], _Waiter] | None = None
+        for woken, w in self._waiters.get(host_id, {}).items():
+            if (
+                w.parked
+                and w.reserved is None
+                and not w.hints
+                and not woken.done()
+                and w.wanted is not None
+                and device_id in w.wanted
+                and (best is None or w.generation > best[1].generation)
+            ):
+                best = (woken, w)
+        return best
 
     async def _claim_hinted(self, session: Session, hints: list[Assignment]) -> Claimed | None:
         """Claim the first still claimable of ``hints``, in claim-deadline order,

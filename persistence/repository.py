@@ -47,7 +47,7 @@ import random
 import re
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -142,6 +142,31 @@ class Renewal:
     task_id: str
     attempt: int
     lease_token: str
+
+
+#: How far past the first device a task may take ``_reserve`` looks for one
+#: whose waiting request is still free (see ``assign_and_claim``).
+_PREFER_LOOKAHEAD = 64
+
+
+class _Prefer:
+    """The requests waiting for devices that this assignment transaction has
+    given an assignment already (see ``assign_and_claim``)."""
+
+    __slots__ = ("taken", "waiting")
+
+    def __init__(self, waiting: Callable[[str, str], Hashable | None]) -> None:
+        self.waiting = waiting
+        self.taken: set[Hashable] = set()
+
+    def take(self, host_id: str, device_id: str) -> bool:
+        """Whether a request waits for this device and has no assignment of
+        this transaction yet (it has one now)."""
+        key = self.waiting(host_id, device_id)
+        if key is None or key in self.taken:
+            return False
+        self.taken.add(key)
+        return True
 
 
 class _BatchAborted(Exception):
@@ -835,7 +860,11 @@ class Repository:
         return await self._tx("assign", lambda conn, now: self._assign(conn, now, limit))
 
     async def assign_and_claim(
-        self, *, limit: int = 64, claimer: Callable[[Assignment], Session | None]
+        self,
+        *,
+        limit: int = 64,
+        claimer: Callable[[Assignment], Session | None],
+        waiting: Callable[[str, str], Hashable | None] | None = None,
     ) -> tuple[list[Assignment], list[Claimed]]:
         """``assign``, and in the same transaction a claim of each new
         assignment that has a claimer: ``claimer`` is asked once per
@@ -846,15 +875,27 @@ class Repository:
         that assigns, so the request is answered with the lease at the
         assignment's commit. A claim refused (the session was superseded)
         leaves its assignment assigned, to be claimed as usual. Returns the
-        assignments and the claims made."""
+        assignments and the claims made.
+
+        ``waiting(host_id, device_id)``, if given, names the request that would
+        claim an assignment on that device (any hashable; None: no request
+        waits for it). A request claims one assignment at most, so among the
+        devices a task may take, one whose request no earlier assignment of
+        this transaction took comes first (looking a bounded way past the
+        first matching device): a host's requests each waiting for several
+        devices then get one assignment each, not several on the devices of
+        one."""
         _check_int(limit, "limit", 1, 10_000)
         if not callable(claimer):
             raise Invalid("claimer must be a callable", field="claimer")
+        if waiting is not None and not callable(waiting):
+            raise Invalid("waiting must be a callable", field="waiting")
 
         async def run(
             conn: AsyncConnection, now: datetime
         ) -> tuple[list[Assignment], list[Claimed]]:
-            won = await self._assign(conn, now, limit)
+            prefer = _Prefer(waiting) if waiting is not None else None
+            won = await self._assign(conn, now, limit, prefer)
             return won, await self._claim_assigned(conn, now, won, claimer)
 
         return await self._tx("assign", run)
@@ -898,7 +939,9 @@ class Repository:
     def _free_params(self, now: datetime) -> dict[str, Any]:
         return {"now": now, "live_after": now - timedelta(seconds=self.timings.liveness_s)}
 
-    async def _assign(self, conn: AsyncConnection, now: datetime, limit: int) -> list[Assignment]:
+    async def _assign(
+        self, conn: AsyncConnection, now: datetime, limit: int, prefer: _Prefer | None = None
+    ) -> list[Assignment]:
         """Candidates come in rank order, in batches: each batch re-reads the free
         devices (which then exclude this transaction's own reservations and those
         other assigners committed), locks the next candidates that still match one
@@ -927,7 +970,7 @@ class Repository:
             fresh = await self._lock_candidates(conn, now, room, seen)
             seen.extend(t.id for t in fresh)
             pending.extend(fresh)
-            got = await self._reserve(conn, now, pending, free, limit - len(won))
+            got = await self._reserve(conn, now, pending, free, limit - len(won), prefer)
             won.extend(got)
             taken = {a.task_id for a in got}
             pending = [t for t in pending if t.id not in taken]
@@ -974,10 +1017,13 @@ class Repository:
         candidates: list[Any],
         free: Sequence[Any],
         limit: int,
+        prefer: _Prefer | None = None,
     ) -> list[Assignment]:
         """Match locked candidates to free devices greedily in rank order and insert
         the reservations (ON CONFLICT DO NOTHING: a device another assigner reserved
-        first is simply lost, and looked for again with a fresh read)."""
+        first is simply lost, and looked for again with a fresh read). With
+        ``prefer``, a task takes a device whose waiting request is still free
+        if one comes soon enough after the first it matches."""
         won: list[Assignment] = []
         pending = list(candidates)
         for _round in range(4):
@@ -995,15 +1041,27 @@ class Repository:
                 while first in used:
                     first += 1
                 selector = (task.selector or {}).items()
+                fallback: int | None = None
                 for i in range(first, len(free)):
                     if i in used:
                         continue
                     dev = free[i]
                     caps = dev.capabilities or {}
-                    if all(caps.get(k) == v for k, v in selector):
-                        used.add(i)
-                        pairs.append((task, dev))
-                        break
+                    if not all(caps.get(k) == v for k, v in selector):
+                        continue
+                    if prefer is not None and not prefer.take(dev.host_id, dev.device_id):
+                        if fallback is None:
+                            fallback = i
+                        if i - fallback < _PREFER_LOOKAHEAD:
+                            continue
+                        i = fallback
+                    used.add(i)
+                    pairs.append((task, free[i]))
+                    fallback = None
+                    break
+                if fallback is not None:  # nothing preferred up to the end
+                    used.add(fallback)
+                    pairs.append((task, free[fallback]))
             if not pairs:
                 break
             pairs.sort(key=lambda p: (p[1].host_id, p[1].device_id))

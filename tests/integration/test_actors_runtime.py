@@ -253,6 +253,26 @@ async def test_a_parked_claim_for_several_devices_takes_one_of_the_assignments_m
     assert got == set(ids)
 
 
+async def test_tasks_assigned_together_are_claimed_for_by_as_many_parked_polls(
+    cp: ControlPlane,
+) -> None:
+    host = await SimHost.create(cp, cp.repo, "h1", n_devices=4)
+    polls = [
+        asyncio.create_task(host.claim(wait_s=60, device_ids=host.devices[:2])),
+        asyncio.create_task(host.claim(wait_s=60, device_ids=host.devices[2:])),
+    ]
+    await wait_until(
+        lambda: sum(w.parked for w in cp._waiters.get("h1", {}).values()) == 2,
+        what="both claims to park",
+    )
+    ids = await cp.submit_many([spec(), spec()])
+    got = await asyncio.wait_for(asyncio.gather(*polls), 30)
+    # Each poll was answered by the assigning transaction: the two tasks went
+    # to devices of different polls, not to the first two free devices.
+    assert {c.task_id for c in got if c is not None} == set(ids)
+    assert cp.stats.get("claims_at_assign") == 2
+
+
 async def test_a_parked_claim_of_a_superseded_session_is_not_claimed_for_at_assignment(
     cp: ControlPlane, engine: AsyncEngine
 ) -> None:

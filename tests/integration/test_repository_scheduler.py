@@ -220,6 +220,28 @@ async def test_a_superseded_claimer_is_refused_and_its_assignment_stays_assigned
     assert claimed.task_id == task_id
 
 
+async def test_tasks_assigned_together_go_to_devices_of_different_waiting_requests(
+    world: World,
+) -> None:
+    s1 = await world.host("h1", ["d1", "d2", "d3", "d4"])
+    ids = {await world.submit() for _ in range(2)}
+    # Two requests wait, each for two devices; each claims one assignment.
+    request = {"d1": "P", "d2": "P", "d3": "Q", "d4": "Q"}
+
+    got, claims = await world.repo.assign_and_claim(
+        claimer=lambda a: s1, waiting=lambda host, device: request[device]
+    )
+
+    assert {a.task_id for a in got} == ids
+    assert sorted(a.device_id for a in got) == ["d1", "d3"]
+    assert len(claims) == 2
+    # Without it, the first free devices in order.
+    ids = {await world.submit() for _ in range(2)}
+    await world.host("h2", ["e1", "e2"])
+    got = await world.repo.assign()
+    assert sorted(a.device_id for a in got) == ["d2", "d4"]
+
+
 @pytest.mark.parametrize("claimer", [None, "h1", lambda a: "h1", lambda a: a.host_id])
 async def test_a_bad_claimer_is_invalid_and_assigns_nothing(world: World, claimer: Any) -> None:
     session = await world.host("h1", ["d1"])
@@ -227,6 +249,8 @@ async def test_a_bad_claimer_is_invalid_and_assigns_nothing(world: World, claime
 
     with pytest.raises(Invalid):
         await world.repo.assign_and_claim(claimer=claimer)
+    with pytest.raises(Invalid):
+        await world.repo.assign_and_claim(claimer=lambda a: session, waiting="d1")  # type: ignore[arg-type]
 
     assert (await world.task_row(task_id))["status"] == "queued"
     got, claims = await world.repo.assign_and_claim(claimer=lambda a: session)
