@@ -603,7 +603,9 @@ class ControlPlane:
                 events.append(self._event(a.task_id, "assigned", a.attempt, a.host_id))
                 events.append(self._event(a.task_id, "dispatched", c.attempt, a.host_id))
             self.stats.incr("claims_at_assign", len(claims))
-            self._dispatch(events)
+            # After the answers: the woken polls run first (the loop's ready
+            # queue is in order), the events' listeners next.
+            loop.call_soon(self._dispatch, events)
             return batch, frozenset(c.task_id for c in claims)
         finally:
             for _, w in chosen.values():
