@@ -294,6 +294,63 @@ async def test_a_parked_claim_of_a_superseded_session_is_not_claimed_for_at_assi
     assert claimed is not None and claimed.task_id == task_id
 
 
+class _PausingRepository(Repository):
+    """The real repository; while ``gate`` is set, an assignment pass that
+    claims for parked polls stops after writing its claims, before its commit,
+    until the gate opens."""
+
+    gate: asyncio.Event | None = None
+    paused: asyncio.Event | None = None
+
+    async def _claim_assigned(self, *args: Any, **kw: Any) -> Any:
+        out = await super()._claim_assigned(*args, **kw)
+        if out and self.gate is not None and self.paused is not None:
+            self.paused.set()
+            await self.gate.wait()
+        return out
+
+
+async def test_a_poll_cancelled_while_its_claim_commits_leaves_a_lease_that_expires_and_retries(
+    engine: AsyncEngine, clock: ManualClock
+) -> None:
+    repo = _PausingRepository(engine, clock, TIMINGS)
+    await repo.add_user("admin", platform_admin=True)
+    await repo.add_project("default", owner="admin")
+    repo.gate, repo.paused = asyncio.Event(), asyncio.Event()
+    cp = ControlPlane(repo, scheduler_interval_s=0.5)
+    await cp.start()
+    try:
+        host = await SimHost.create(cp, repo, "h1")
+        poll = asyncio.create_task(host.claim(wait_s=60, device_ids=host.devices))
+        await wait_until(
+            lambda: any(w.parked for w in cp._waiters.get("h1", {}).values()),
+            what="the claim to park",
+        )
+        task_id = await cp.submit(spec(retry=RetryPolicy(max_attempts=3, backoff_base_s=0)))
+        await asyncio.wait_for(repo.paused.wait(), 30)
+        # The host's request goes away (its connection closed) while the claim
+        # made for it commits: nobody holds that lease.
+        poll.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await poll
+        repo.gate.set()
+        await _state_is(engine, task_id, "dispatched")
+        # It is never acknowledged: at its ack deadline the task runs again.
+        clock.advance(TIMINGS.ack_s + 1)
+        cp.poke_reaper()
+        await _state_is(engine, task_id, "queued", "retrying")
+        # The host may still run something there: the device is out of use
+        # until the host reports it idle again.
+        await host.heartbeat()
+        claimed = await host.claim(wait_s=30, device_ids=host.devices)
+        assert claimed is not None and (claimed.task_id, claimed.attempt) == (task_id, 2)
+        reasons = [a["end_reason"] for a in await attempt_rows(engine) if a["task_id"] == task_id]
+        assert reasons[0] == "ack_expired"
+    finally:
+        repo.gate.set()
+        await cp.stop()
+
+
 class _CountingRepository(Repository):
     """The real repository, counting the long-polls' reads of pending assignments."""
 
