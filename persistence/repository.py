@@ -145,23 +145,33 @@ class Renewal:
 
 
 #: How far past the first device a task may take ``_reserve`` looks for one
-#: whose waiting request is still free (see ``assign_and_claim``).
+#: whose waiting request is still free (see ``assign_and_claim``), and how many
+#: devices one transaction asks about at most: past that (a backlog on hosts
+#: whose few requests each wait for hundreds of devices), devices are taken in
+#: order, as without requests.
 _PREFER_LOOKAHEAD = 64
+_PREFER_BUDGET = 4096
 
 
 class _Prefer:
     """The requests waiting for devices that this assignment transaction has
     given an assignment already (see ``assign_and_claim``)."""
 
-    __slots__ = ("taken", "waiting")
+    __slots__ = ("budget", "taken", "waiting")
 
     def __init__(self, waiting: Callable[[str, str], Hashable | None]) -> None:
         self.waiting = waiting
         self.taken: set[Hashable] = set()
+        self.budget = _PREFER_BUDGET
+
+    @property
+    def spent(self) -> bool:
+        return self.budget <= 0
 
     def take(self, host_id: str, device_id: str) -> bool:
         """Whether a request waits for this device and has no assignment of
         this transaction yet (it has one now)."""
+        self.budget -= 1
         key = self.waiting(host_id, device_id)
         if key is None or key in self.taken:
             return False
@@ -1049,14 +1059,18 @@ class Repository:
                     caps = dev.capabilities or {}
                     if not all(caps.get(k) == v for k, v in selector):
                         continue
-                    if prefer is not None and not prefer.take(dev.host_id, dev.device_id):
-                        if fallback is None:
-                            fallback = i
-                        if i - fallback < _PREFER_LOOKAHEAD:
-                            continue
-                        i = fallback
-                    used.add(i)
-                    pairs.append((task, free[i]))
+                    pick = i
+                    if prefer is not None:
+                        if prefer.spent:  # the first that matched
+                            pick = i if fallback is None else fallback
+                        elif not prefer.take(dev.host_id, dev.device_id):
+                            if fallback is None:
+                                fallback = i
+                            if i - fallback < _PREFER_LOOKAHEAD:
+                                continue
+                            pick = fallback
+                    used.add(pick)
+                    pairs.append((task, free[pick]))
                     fallback = None
                     break
                 if fallback is not None:  # nothing preferred up to the end

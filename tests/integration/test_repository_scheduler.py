@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from persistence import repository
 from persistence.errors import Conflict, Gone, Invalid, Unauthorized
 from persistence.model import DeviceSnapshot, EndReason, Outcome, Session, TaskState
 from persistence.secrets import hash_secret
@@ -240,6 +241,27 @@ async def test_tasks_assigned_together_go_to_devices_of_different_waiting_reques
     await world.host("h2", ["e1", "e2"])
     got = await world.repo.assign()
     assert sorted(a.device_id for a in got) == ["d2", "d4"]
+
+
+async def test_the_device_preference_asks_a_bounded_number_of_times_per_transaction(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(repository, "_PREFER_BUDGET", 2)
+    s1 = await world.host("h1", ["d1", "d2", "d3", "d4", "d5", "d6"])
+    ids = {await world.submit() for _ in range(3)}
+    asked: list[str] = []
+
+    def waiting(host: str, device: str) -> str:
+        asked.append(device)
+        return {"d1": "P", "d2": "P", "d3": "Q", "d4": "Q"}.get(device, "R")
+
+    got, _ = await world.repo.assign_and_claim(claimer=lambda a: s1, waiting=waiting)
+
+    # Asked twice (d1, then d2, whose request had one already); then devices
+    # in order, as without waiting requests: every task still assigned.
+    assert asked == ["d1", "d2"]
+    assert {a.task_id for a in got} == ids
+    assert sorted(a.device_id for a in got) == ["d1", "d2", "d3"]
 
 
 @pytest.mark.parametrize("claimer", [None, "h1", lambda a: "h1", lambda a: a.host_id])
