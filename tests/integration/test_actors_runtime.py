@@ -53,12 +53,27 @@ def _stop_all_actors() -> Iterator[None]:
     pykka.ActorRegistry.stop_all(timeout=30)
 
 
-@pytest.fixture
-async def repo(engine: AsyncEngine, clock: ManualClock) -> Repository:
-    r = Repository(engine, clock, TIMINGS)
+async def _repository(
+    engine: AsyncEngine, clock: ManualClock, cls: type[Repository] = Repository
+) -> Any:
+    r = cls(engine, clock, TIMINGS)
     await r.add_user("admin", platform_admin=True)
     await r.add_project("default", owner="admin")
     return r
+
+
+@pytest.fixture
+async def repo(engine: AsyncEngine, clock: ManualClock) -> Repository:
+    return await _repository(engine, clock)
+
+
+async def _parked(cp: ControlPlane, host_id: str, n: int = 1) -> None:
+    """Until ``n`` claims of the host are parked (an assignment pass may take
+    them as claimers)."""
+    await wait_until(
+        lambda: sum(w.parked for w in cp._waiters.get(host_id, {}).values()) >= n,
+        what=f"{n} claim(s) of {host_id} to park",
+    )
 
 
 @pytest.fixture
@@ -204,10 +219,7 @@ async def test_a_claim_parked_for_a_device_is_answered_by_the_assigning_transact
 ) -> None:
     host = await SimHost.create(cp, cp.repo, "h1")
     waiting = asyncio.create_task(host.claim(wait_s=60, device_ids=host.devices))
-    await wait_until(
-        lambda: any(w.parked for w in cp._waiters.get("h1", {}).values()),
-        what="the claim to park",
-    )
+    await _parked(cp, "h1")
     task_id = await cp.submit(spec())
     claimed = await asyncio.wait_for(waiting, 30)
     assert claimed is not None and claimed.task_id == task_id
@@ -233,10 +245,7 @@ async def test_a_parked_claim_for_several_devices_takes_one_of_the_assignments_m
 ) -> None:
     host = await SimHost.create(cp, cp.repo, "h1", n_devices=3)
     waiting = asyncio.create_task(host.claim(wait_s=60, device_ids=host.devices))
-    await wait_until(
-        lambda: any(w.parked for w in cp._waiters.get("h1", {}).values()),
-        what="the claim to park",
-    )
+    await _parked(cp, "h1")
     ids = await cp.submit_many([spec(), spec(), spec()])
     claimed = await asyncio.wait_for(waiting, 30)
     assert claimed is not None and claimed.task_id in ids
@@ -261,10 +270,7 @@ async def test_tasks_assigned_together_are_claimed_for_by_as_many_parked_polls(
         asyncio.create_task(host.claim(wait_s=60, device_ids=host.devices[:2])),
         asyncio.create_task(host.claim(wait_s=60, device_ids=host.devices[2:])),
     ]
-    await wait_until(
-        lambda: sum(w.parked for w in cp._waiters.get("h1", {}).values()) == 2,
-        what="both claims to park",
-    )
+    await _parked(cp, "h1", 2)
     ids = await cp.submit_many([spec(), spec()])
     got = await asyncio.wait_for(asyncio.gather(*polls), 30)
     # Each poll was answered by the assigning transaction: the two tasks went
@@ -278,10 +284,7 @@ async def test_a_parked_claim_of_a_superseded_session_is_not_claimed_for_at_assi
 ) -> None:
     host = await SimHost.create(cp, cp.repo, "h1")
     waiting = asyncio.create_task(cp.claim(host.s, wait_s=60, device_ids=host.devices))
-    await wait_until(
-        lambda: any(w.parked for w in cp._waiters.get("h1", {}).values()),
-        what="the claim to park",
-    )
+    await _parked(cp, "h1")
     host.session = await cp.register("h1", host.credential)
     task_id = await cp.submit(spec())
     # The assigning transaction refuses the old session's claim, as a claim of
@@ -313,19 +316,14 @@ class _PausingRepository(Repository):
 async def test_a_poll_cancelled_while_its_claim_commits_leaves_a_lease_that_expires_and_retries(
     engine: AsyncEngine, clock: ManualClock
 ) -> None:
-    repo = _PausingRepository(engine, clock, TIMINGS)
-    await repo.add_user("admin", platform_admin=True)
-    await repo.add_project("default", owner="admin")
+    repo = await _repository(engine, clock, _PausingRepository)
     repo.gate, repo.paused = asyncio.Event(), asyncio.Event()
     cp = ControlPlane(repo, scheduler_interval_s=0.5)
     await cp.start()
     try:
         host = await SimHost.create(cp, repo, "h1")
         poll = asyncio.create_task(host.claim(wait_s=60, device_ids=host.devices))
-        await wait_until(
-            lambda: any(w.parked for w in cp._waiters.get("h1", {}).values()),
-            what="the claim to park",
-        )
+        await _parked(cp, "h1")
         task_id = await cp.submit(spec(retry=RetryPolicy(max_attempts=3, backoff_base_s=0)))
         await asyncio.wait_for(repo.paused.wait(), 30)
         # The host's request goes away (its connection closed) while the claim
@@ -365,9 +363,7 @@ class _CountingRepository(Repository):
 
 @pytest.fixture
 async def counting(engine: AsyncEngine, clock: ManualClock) -> AsyncIterator[ControlPlane]:
-    r = _CountingRepository(engine, clock, TIMINGS)
-    await r.add_user("admin", platform_admin=True)
-    await r.add_project("default", owner="admin")
+    r = await _repository(engine, clock, _CountingRepository)
     plane = ControlPlane(r, scheduler_interval_s=0.5)
     await plane.start()
     try:
@@ -499,9 +495,7 @@ async def test_many_assignments_at_once_are_not_passed_from_poll_to_poll(
 async def test_an_assignment_this_process_never_handed_is_found_once_the_empty_read_expires(
     engine: AsyncEngine, clock: ManualClock
 ) -> None:
-    repo = _CountingRepository(engine, clock, TIMINGS)
-    await repo.add_user("admin", platform_admin=True)
-    await repo.add_project("default", owner="admin")
+    repo = await _repository(engine, clock, _CountingRepository)
     # No Scheduler pass on its own: the assignment below is made behind its back,
     # as when a Scheduler crashed between its commit and the hand-off.
     cp = ControlPlane(repo, scheduler_interval_s=3600)
