@@ -732,6 +732,8 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             _say(opts, f"latency: {n_paced} tasks at {rate:.0f}/s")
             paced_ids: list[str] = []
             pending: set[asyncio.Task[Any]] = set()
+            paced_cpu0 = (serve.cpu_s(), time.process_time(), _machine_busy_s())
+            t_paced = time.time()
             start = time.monotonic()
             for i in range(n_paced):
                 delay = start + i / rate - time.monotonic()
@@ -745,6 +747,15 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
                 events.watch(paced_ids, "done"), len(set(paced_ids)), "paced tasks done"
             )
             paced = _latencies(paced_ids, events, held_at)
+            paced_s = max(events.at[t]["done"] for t in paced_ids) - t_paced
+            paced_cpu = [
+                b - a
+                for a, b in zip(
+                    paced_cpu0,
+                    (serve.cpu_s(), time.process_time(), _machine_busy_s()),
+                    strict=True,
+                )
+            ]
         peak = serve.peak_rss()
         for agent, _ in agents:
             agent.stop()
@@ -782,6 +793,14 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
                 if opts.paced_rate is not None
                 else "half of tasks_per_s",
                 **paced,
+                # CPU per task (control plane, benchmark process, whole machine)
+                # and the machine's busy cores, from the first paced submit to
+                # the last paced task done: one task at a time costs more than
+                # in the batches of the saturated run.
+                "cpu_s_per_task": round(paced_cpu[0] / len(paced_ids), 6),
+                "agents_cpu_s_per_task": round(paced_cpu[1] / len(paced_ids), 6),
+                "machine_cpu_s_per_task": round(paced_cpu[2] / len(paced_ids), 6),
+                "machine_busy_cores": round(paced_cpu[2] / max(paced_s, 1e-9), 2),
             },
         }
     finally:

@@ -222,6 +222,20 @@ def print_report(r: dict[str, Any]) -> None:
     half = tp["at_half_throughput"]
     table.add_row("", f"assignment latency at {half['rate_per_s']:.0f}/s", _lat(half["assignment"]))
     table.add_row("", f"dispatch latency at {half['rate_per_s']:.0f}/s", _lat(half["dispatch"]))
+    if half.get("machine_cpu_s_per_task") is not None:
+        table.add_row(
+            "",
+            f"CPU per task at {half['rate_per_s']:.0f}/s: control plane / benchmark / machine",
+            " / ".join(
+                _f(half[k] * 1000, " ms", 2)
+                for k in ("cpu_s_per_task", "agents_cpu_s_per_task", "machine_cpu_s_per_task")
+            ),
+        )
+        table.add_row(
+            "",
+            f"machine busy at {half['rate_per_s']:.0f}/s (of {os.cpu_count()} cores)",
+            _f(half["machine_busy_cores"], " cores", 2),
+        )
     rn = r.get("renewals")
     if rn and "error" in rn:
         table.add_row("renewals, recovery", "failed", rn["error"])

@@ -84,6 +84,11 @@ def test_bench_with_tiny_sizes_prints_a_report_of_every_cell(
     # One at a time, 0.2 s apart: the agents' claims are parked for their idle
     # devices, and are answered by the transaction that assigns.
     assert tp["at_half_throughput"]["claimed_at_assignment"] > 0
+    # What one task at a time costs (more than in the saturated run's batches).
+    for key in ("cpu_s_per_task", "machine_cpu_s_per_task", "machine_busy_cores"):
+        value = tp["at_half_throughput"][key]
+        assert isinstance(value, int | float) and value > 0, key
+    assert tp["at_half_throughput"]["agents_cpu_s_per_task"] >= 0
     for block in (tp["saturated"], tp["at_half_throughput"]):
         assert set(block["assignment"]) == LATENCY_KEYS
         assert set(block["dispatch"]) == LATENCY_KEYS
