@@ -34,10 +34,8 @@ from datetime import datetime
 from enum import Enum
 from typing import Any, Protocol
 
-import sqlalchemy as sa
 import structlog
 
-from persistence import tables as t
 from persistence.errors import Forbidden, Invalid, NotFound, Unauthorized
 from persistence.model import RetryPolicy, TaskKind, TaskSpec, TaskState, User
 from persistence.repository import Repository
@@ -580,24 +578,7 @@ class OpsApi:
         return {"ids": list(ids)}
 
     async def _check_project_role(self, user: User, project: str) -> None:
-        """Submitting into a project needs a role on it (owner, project admin or
-        platform admin). Read-only; the submit itself re-checks the project exists."""
-        query = sa.select(
-            t.projects.c.owner,
-            sa.exists()
-            .where(t.project_admins.c.project == t.projects.c.name)
-            .where(t.project_admins.c.user_name == user.name)
-            .label("is_admin"),
-        ).where(t.projects.c.name == project)
-        async with self.repo.engine.connect() as conn:
-            # One statement: no BEGIN/ROLLBACK round trips around it.
-            await conn.execution_options(isolation_level="AUTOCOMMIT")
-            row = (await conn.execute(query)).first()
-        if row is None:
-            raise NotFound(f"no project {project!r}", field="project")
-        if user.platform_admin or row.owner == user.name or row.is_admin:
-            return
-        raise Forbidden(f"you have no role on project {project!r}", field="project")
+        await self.repo.check_submit_role(user, project)
 
     async def tasks(self, user: User, args: Any) -> list[dict[str, Any]]:
         a = Args(args, ("states", "host", "limit"))

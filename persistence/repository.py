@@ -647,18 +647,20 @@ class Repository:
         op: str,
         fn: Callable[[AsyncConnection, datetime], Awaitable[T]],
         *,
-        single_read: bool = False,
+        autocommit: bool = False,
     ) -> T:
         """Run ``fn`` in one READ COMMITTED transaction with the clock's time. Typed
         errors roll back and propagate; serialization failures and deadlocks run
         the transaction again; driver and connection errors become ``Unavailable``.
 
-        ``single_read``: ``fn`` runs exactly one read-only statement, which is its
-        own transaction in autocommit mode, saving the BEGIN and COMMIT round trips
-        (the hot long-poll path reads the session and the pending assignments)."""
+        ``autocommit``: ``fn``'s statements each commit on their own (autocommit
+        mode), saving the BEGIN and COMMIT round trips. For one read (the hot
+        long-poll path reads the session and the pending assignments), one write
+        that is atomic by itself (a one-task submit), or statements written to be
+        correct each alone (``_run_optimistic``)."""
         for attempt in range(1, TX_ATTEMPTS + 1):
             try:
-                if single_read:
+                if autocommit:
                     async with self.engine.connect() as conn:
                         await conn.execution_options(isolation_level="AUTOCOMMIT")
                         return await fn(conn, self.clock.now())
@@ -779,13 +781,18 @@ class Repository:
                 }
                 for tid, v in zip(ids, values, strict=True)
             ]
+            insert = _prebuilt("task_insert", tasks.insert)
             if not keys:
-                await conn.execute(tasks.insert(), rows)
+                # One row: one INSERT (not an executemany of one).
+                await conn.execute(insert, rows[0] if len(rows) == 1 else rows)
                 return ids
             return await self._submit_keyed(conn, rows)
 
         try:
-            out = await self._tx("submit", run)
+            # A single task without a request id is one INSERT, atomic by itself:
+            # no BEGIN and COMMIT round trips around it (the user API's one-task
+            # submit). Several rows may be several statements: a transaction.
+            out = await self._tx("submit", run, autocommit=len(values) == 1 and not keys)
             return out, set(ids).intersection(out)
         except sa.exc.IntegrityError as exc:
             # The foreign keys refused an unknown project or owner (nothing was
@@ -1426,9 +1433,9 @@ class Repository:
             return out, deferred, written
 
         try:
-            # Both statements on one connection in autocommit (``single_read``
-            # skips BEGIN and COMMIT; a retried run reads again).
-            out, deferred, written = await self._tx("transitions", run, single_read=True)
+            # Both statements on one connection, each its own transaction (no
+            # BEGIN and COMMIT round trips; a retried run reads again).
+            out, deferred, written = await self._tx("transitions", run, autocommit=True)
         except Unavailable as exc:
             if not fenced:
                 return [exc] * len(ts)
@@ -1633,7 +1640,7 @@ class Repository:
             rows = (await conn.execute(stmt, {**params, "now": now})).all()
             return [_assignment(r) for r in rows]
 
-        return await self._tx("pending_assignments", run, single_read=True)
+        return await self._tx("pending_assignments", run, autocommit=True)
 
     async def session_pending(
         self, session: Session, *, device_ids: Sequence[str] = (), limit: int | None = None
@@ -1654,7 +1661,7 @@ class Repository:
                 raise _unauthorized(session)
             return [_assignment(r) for r in rows if r.id is not None]
 
-        return await self._tx("session_pending", run, single_read=True)
+        return await self._tx("session_pending", run, autocommit=True)
 
     async def _assignments(
         self, conn: AsyncConnection, *conds: sa.ColumnElement[bool], limit: int | None = None
@@ -2442,7 +2449,7 @@ class Repository:
             _check_host_id(host_id)
             conds.append(attempts.c.host_id == host_id)
         return await self._tx(
-            "active_attempts", lambda conn, now: self._assignments(conn, *conds), single_read=True
+            "active_attempts", lambda conn, now: self._assignments(conn, *conds), autocommit=True
         )
 
     # --- hosts -----------------------------------------------------------------
@@ -2596,7 +2603,7 @@ class Repository:
                 return None
             return int(row.session_generation)
 
-        return await self._tx("current_generation", run, single_read=True)
+        return await self._tx("current_generation", run, autocommit=True)
 
     async def heartbeat(self, session: Session, devices: Sequence[DeviceSnapshot]) -> None:
         """Refresh last_seen and replace only this host's device records."""
@@ -2872,7 +2879,29 @@ class Repository:
             return User(name=row.name, platform_admin=row.platform_admin)
 
         # Every user request starts here: one statement, no BEGIN/COMMIT.
-        return await self._tx("authenticate_user", run, single_read=True)
+        return await self._tx("authenticate_user", run, autocommit=True)
+
+    async def check_submit_role(self, user: User, project: str) -> None:
+        """Submitting into a project needs a role on it (owner, project admin or
+        platform admin): ``NotFound`` for an unknown project, ``Forbidden``
+        without a role. One read; the submit itself re-checks the project."""
+        if not isinstance(project, str) or not project:
+            raise Invalid("project must be a non-empty string", field="project")
+
+        async def run(conn: AsyncConnection, now: datetime) -> Any:
+            return (
+                await conn.execute(
+                    _prebuilt("project_role", _project_role_stmt),
+                    {"project": project, "user_name": user.name},
+                )
+            ).first()
+
+        row = await self._tx("check_submit_role", run, autocommit=True)
+        if row is None:
+            raise NotFound(f"no project {project!r}", field="project")
+        if user.platform_admin or row.owner == user.name or row.is_admin:
+            return
+        raise Forbidden(f"you have no role on project {project!r}", field="project")
 
     @staticmethod
     def _visible(user: User) -> sa.ColumnElement[bool]:
@@ -3779,6 +3808,19 @@ def _extend_leases_stmt() -> Any:
         )
         .values(lease_expires_at=sa.bindparam("p_exp", type_=attempts.c.lease_expires_at.type))
     )
+
+
+def _project_role_stmt() -> Any:
+    return sa.select(
+        projects.c.owner,
+        sa.exists()
+        .where(project_admins.c.project == projects.c.name)
+        .where(
+            project_admins.c.user_name
+            == sa.bindparam("user_name", type_=project_admins.c.user_name.type)
+        )
+        .label("is_admin"),
+    ).where(projects.c.name == sa.bindparam("project", type_=projects.c.name.type))
 
 
 def _user_by_token_stmt() -> Any:

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from persistence.errors import Conflict, Invalid, NotFound
-from persistence.model import DeviceSnapshot, RetryPolicy, TaskKind, TaskSpec
+from persistence.errors import Conflict, Forbidden, Invalid, NotFound
+from persistence.model import DeviceSnapshot, RetryPolicy, TaskKind, TaskSpec, User
 from tests.integration.test_repository_support import World, world
 
 __all__ = ["world"]
@@ -74,6 +74,46 @@ async def test_submit_many_is_all_or_nothing(world: World) -> None:
 
     assert await world.rows("SELECT id FROM tasks") == []
     assert len(await world.repo.submit_many([spec(), spec()])) == 2
+
+
+async def test_a_one_task_submit_naming_an_unknown_project_or_owner_writes_nothing(
+    world: World,
+) -> None:
+    # One task is one INSERT in autocommit: the foreign keys refuse it whole.
+    with pytest.raises(NotFound) as project:
+        await world.repo.submit(spec(project="nope"))
+    with pytest.raises(NotFound) as owner:
+        await world.repo.submit(spec(owner="nobody"))
+
+    assert project.value.fields["field"] == "project"
+    assert owner.value.fields["field"] == "owner"
+    assert await world.rows("SELECT id FROM tasks") == []
+
+
+@pytest.mark.parametrize(
+    ("user", "project", "error"),
+    [
+        (User(name="alice", platform_admin=False), "p1", None),  # owner
+        (User(name="carol", platform_admin=False), "p1", None),  # project admin
+        (User(name="root", platform_admin=True), "p2", None),
+        (User(name="bob", platform_admin=False), "p1", Forbidden),
+        (User(name="carol", platform_admin=False), "p2", Forbidden),
+        (User(name="alice", platform_admin=False), "nope", NotFound),
+        (User(name="root", platform_admin=True), "nope", NotFound),
+        (User(name="alice", platform_admin=False), "", Invalid),
+        (User(name="alice", platform_admin=False), 7, Invalid),
+    ],
+)
+async def test_submitting_needs_a_role_on_an_existing_project(
+    world: World, user: User, project: Any, error: type[Exception] | None
+) -> None:
+    if error is None:
+        await world.repo.check_submit_role(user, project)
+    else:
+        with pytest.raises(error) as err:
+            await world.repo.check_submit_role(user, project)
+        assert err.value.fields["field"] == "project"  # type: ignore[attr-defined]
+    assert await world.rows("SELECT id FROM tasks") == []
 
 
 # --- the idempotency key ------------------------------------------------------------
