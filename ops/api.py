@@ -567,7 +567,7 @@ class OpsApi:
         request_id = a.text("request_id", max_len=100)
         if request_id is not None and "#" in request_id:
             raise Invalid("request_id must not contain '#'", field="request_id")
-        await self._check_project_role(user, project)
+        await self.repo.check_submit_role(user, project)
         if count is None:
             return {"id": await self.cp.submit(replace(spec, request_id=request_id))}
         specs = [
@@ -576,9 +576,6 @@ class OpsApi:
         ]
         ids = await self.cp.submit_many(specs)
         return {"ids": list(ids)}
-
-    async def _check_project_role(self, user: User, project: str) -> None:
-        await self.repo.check_submit_role(user, project)
 
     async def tasks(self, user: User, args: Any) -> list[dict[str, Any]]:
         a = Args(args, ("states", "host", "limit"))

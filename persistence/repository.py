@@ -3745,9 +3745,7 @@ def _free_devices_sub(*, caps_text: bool = False) -> Any:
     )
 
 
-#: ``_renew_unlocked``'s read: each renewal's task, attempt and host rows (the
-#: columns of ``_LEASE_FENCE_COLUMNS``), unlocked. Hand-written SQL: it runs on
-#: the driver's connection, as asyncpg's own prepared statement.
+#: The user of a token hash (``authenticate_user``, on the driver's connection).
 _USER_BY_TOKEN_SQL = "SELECT name, platform_admin FROM users WHERE token_hash = $1"
 
 #: The submitting user's role on a project ($1 the project, $2 the user).
@@ -3759,6 +3757,9 @@ FROM projects p
 WHERE p.name = $1
 """
 
+#: ``_renew_unlocked``'s read: each renewal's task, attempt and host rows (the
+#: columns of ``_LEASE_FENCE_COLUMNS``), unlocked. Hand-written SQL: it runs on
+#: the driver's connection, as asyncpg's own prepared statement.
 _RENEW_READ_SQL = """
 SELECT t.id::text AS task_id, t.status, t.attempt, t.cancel_requested_at,
        a.number AS a_number, a.host_id AS a_host_id, a.lease_token_hash AS a_token_hash,
