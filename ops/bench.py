@@ -722,15 +722,11 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             await _until_all(events.watch(warm, "done"), len(set(warm)), "warm-up tasks")
 
             _say(opts, f"throughput: {opts.tasks} tasks")
-            cpu0 = serve.cpu_s()
-            agents_cpu0 = time.process_time()  # this process: the agents, mostly
-            machine_cpu0 = _machine_busy_s()
+            marks = _cpu_marks(serve)
             t0 = time.time()
             ids = await _submit(ops, opts.tasks)
             await _until_all(events.watch(ids, "done"), len(set(ids)), "tasks done")
-            cpu = serve.cpu_s() - cpu0
-            agents_cpu = time.process_time() - agents_cpu0
-            machine_cpu = _machine_busy_s() - machine_cpu0
+            cpu, agents_cpu, machine_cpu = _cpu_since(serve, marks)
             last = max(events.at[t]["done"] for t in ids)
             tps = len(ids) / max(last - t0, 1e-9)
             saturated = _latencies(ids, events, held_at)
@@ -742,7 +738,7 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             _say(opts, f"latency: {n_paced} tasks at {rate:.0f}/s")
             paced_ids: list[str] = []
             pending: set[asyncio.Task[Any]] = set()
-            paced_cpu0 = (serve.cpu_s(), time.process_time(), _machine_busy_s())
+            paced_marks = _cpu_marks(serve)
             t_paced = time.time()
             start = time.monotonic()
             for i in range(n_paced):
@@ -758,14 +754,7 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             )
             paced = _latencies(paced_ids, events, held_at)
             paced_s = max(events.at[t]["done"] for t in paced_ids) - t_paced
-            paced_cpu = [
-                b - a
-                for a, b in zip(
-                    paced_cpu0,
-                    (serve.cpu_s(), time.process_time(), _machine_busy_s()),
-                    strict=True,
-                )
-            ]
+            paced_cpu = _cpu_since(serve, paced_marks)
         peak = serve.peak_rss()
         for agent, _ in agents:
             agent.stop()
@@ -822,6 +811,20 @@ async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
         await serve.stop()
         shutil.rmtree(journals, ignore_errors=True)
         await _revoke_hosts(fleet.db_url, host_ids)
+
+
+def _cpu_marks(serve: ServeProcess) -> tuple[float, float, float]:
+    """CPU seconds so far of the control plane, of this process (the agents,
+    mostly) and of the whole machine."""
+    return serve.cpu_s(), time.process_time(), _machine_busy_s()
+
+
+def _cpu_since(
+    serve: ServeProcess, marks: tuple[float, float, float]
+) -> tuple[float, float, float]:
+    """``_cpu_marks`` now, less ``marks``."""
+    now = _cpu_marks(serve)
+    return now[0] - marks[0], now[1] - marks[1], now[2] - marks[2]
 
 
 def _latencies(ids: Sequence[str], events: Events, held_at: dict[str, float]) -> dict[str, Any]:
