@@ -61,6 +61,7 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from persistence.clock import Clock, SystemClock
+from persistence.driver import DriverConnection
 from persistence.errors import (
     Conflict,
     Forbidden,
@@ -299,11 +300,21 @@ def _unnest_params(name: str, **cols: Any) -> Any:
 _PREBUILT: dict[Any, Any] = {}
 
 
+_PREBUILT_IDS: set[int] = set()
+
+
 def _prebuilt(key: Any, build: Callable[[], Any]) -> Any:
     stmt = _PREBUILT.get(key)
     if stmt is None:
         stmt = _PREBUILT[key] = build()
+        _PREBUILT_IDS.add(id(stmt))
     return stmt
+
+
+def _is_prebuilt(stmt: Any) -> bool:
+    """Whether ``stmt`` is one of ``_prebuilt``'s (kept for the process's life:
+    ``DriverConnection`` may keep its compilation)."""
+    return id(stmt) in _PREBUILT_IDS
 
 
 def _live_host(now: datetime, liveness_s: float) -> sa.ColumnElement[bool]:
@@ -645,9 +656,10 @@ class Repository:
     async def _tx(
         self,
         op: str,
-        fn: Callable[[AsyncConnection, datetime], Awaitable[T]],
+        fn: Callable[[Any, datetime], Awaitable[T]],
         *,
         autocommit: bool = False,
+        driver: bool = False,
     ) -> T:
         """Run ``fn`` in one READ COMMITTED transaction with the clock's time. Typed
         errors roll back and propagate; serialization failures and deadlocks run
@@ -657,9 +669,16 @@ class Repository:
         mode), saving the BEGIN and COMMIT round trips. For one read (the hot
         long-poll path reads the session and the pending assignments), one write
         that is atomic by itself (a one-task submit), or statements written to be
-        correct each alone (``_run_optimistic``)."""
+        correct each alone (``_run_optimistic``).
+
+        ``driver``: ``fn`` is given a :class:`DriverConnection` instead, which
+        runs the same Core statements on the driver's (asyncpg) connection
+        without SQLAlchemy's execution layer, in a transaction of the driver's
+        (about 75 us of CPU less per statement: the hot paths)."""
         for attempt in range(1, TX_ATTEMPTS + 1):
             try:
+                if driver:
+                    return await self._on_driver(fn, autocommit)
                 if autocommit:
                     async with self.engine.connect() as conn:
                         await conn.execution_options(isolation_level="AUTOCOMMIT")
@@ -683,9 +702,43 @@ class Repository:
                         f"database unavailable during {op}", op=op, sqlstate=state
                     ) from exc
                 raise
-            except (OSError, TimeoutError, sa.exc.TimeoutError) as exc:
+            except (
+                asyncpg.InterfaceError,  # the driver's own, on the driver's path
+                asyncpg.InternalClientError,
+                OSError,
+                TimeoutError,
+                sa.exc.TimeoutError,
+            ) as exc:
                 raise Unavailable(f"database unavailable during {op}", op=op) from exc
         raise Unavailable(f"database kept aborting {op}", op=op)  # pragma: no cover
+
+    async def _on_driver(self, fn: Callable[[Any, datetime], Awaitable[T]], autocommit: bool) -> T:
+        """``fn`` with a :class:`DriverConnection` (``_tx``'s ``driver``). A
+        failure that may have broken the connection discards it rather than
+        return it to the pool."""
+        async with self.engine.connect() as conn:
+            raw = (await conn.get_raw_connection()).driver_connection
+            dconn = DriverConnection(raw, self.engine.dialect, _is_prebuilt)
+            try:
+                if autocommit:
+                    return await fn(dconn, self.clock.now())
+                async with raw.transaction():
+                    return await fn(dconn, self.clock.now())
+            except RepositoryError:
+                raise
+            except sa.exc.DBAPIError as exc:
+                # A server's refusal leaves the connection usable; anything else
+                # of the driver's (a lost connection) does not.
+                cause = exc.__cause__
+                if not isinstance(cause, asyncpg.PostgresError) or isinstance(
+                    cause, asyncpg.PostgresConnectionError
+                ):
+                    await conn.invalidate()
+                raise
+            except BaseException:
+                # Lost, or a statement cut short: its state is unknown.
+                await conn.invalidate()
+                raise
 
     async def _raw(self, op: str, fn: Callable[[Any, datetime], Awaitable[T]]) -> T:
         """``_tx``'s contract for ``fn`` run on the driver's (asyncpg) connection
@@ -792,7 +845,8 @@ class Repository:
             # A single task without a request id is one INSERT, atomic by itself:
             # no BEGIN and COMMIT round trips around it (the user API's one-task
             # submit). Several rows may be several statements: a transaction.
-            out = await self._tx("submit", run, autocommit=len(values) == 1 and not keys)
+            one = len(values) == 1 and not keys
+            out = await self._tx("submit", run, autocommit=one, driver=one)
             return out, set(ids).intersection(out)
         except sa.exc.IntegrityError as exc:
             # The foreign keys refused an unknown project or owner (nothing was
@@ -874,7 +928,9 @@ class Repository:
         reservation row. Uses FOR UPDATE SKIP LOCKED so concurrent assigners never
         collide; the reservation primary key makes a double reservation impossible."""
         _check_int(limit, "limit", 1, 10_000)
-        return await self._tx("assign", lambda conn, now: self._assign(conn, now, limit))
+        return await self._tx(
+            "assign", lambda conn, now: self._assign(conn, now, limit), driver=True
+        )
 
     async def assign_and_claim(
         self,
@@ -915,7 +971,7 @@ class Repository:
             won = await self._assign(conn, now, limit, prefer)
             return won, await self._claim_assigned(conn, now, won, claimer)
 
-        return await self._tx("assign", run)
+        return await self._tx("assign", run, driver=True)
 
     async def _claim_assigned(
         self,
@@ -1333,7 +1389,7 @@ class Repository:
     # --- claim / ack / renew / progress ------------------------------------------
     async def run_one(self, t: Transition) -> Any:
         """A transition in a transaction of its own."""
-        return await self._tx(t.op, lambda conn, now: t.run(conn, now, None))
+        return await self._tx(t.op, lambda conn, now: t.run(conn, now, None), driver=True)
 
     async def run_many(self, ts: Sequence[Transition]) -> list[Any]:
         """Many transitions in one transaction (one commit): each gets its own
@@ -1386,7 +1442,7 @@ class Repository:
             return out
 
         try:
-            result: list[Any] = await self._tx("transitions", run)
+            result: list[Any] = await self._tx("transitions", run, driver=True)
             return result
         except Unavailable as exc:
             return [exc] * len(ts)
@@ -1435,7 +1491,9 @@ class Repository:
         try:
             # Both statements on one connection, each its own transaction (no
             # BEGIN and COMMIT round trips; a retried run reads again).
-            out, deferred, written = await self._tx("transitions", run, autocommit=True)
+            out, deferred, written = await self._tx(
+                "transitions", run, autocommit=True, driver=True
+            )
         except Unavailable as exc:
             if not fenced:
                 return [exc] * len(ts)
@@ -1624,7 +1682,7 @@ class Repository:
                 return None
             return await self._claim_row(conn, row, session, now)
 
-        return await self._tx("claim_next", run)
+        return await self._tx("claim_next", run, driver=True)
 
     async def pending_assignments(
         self, host_id: str, *, device_ids: Sequence[str] = (), limit: int | None = None
@@ -1640,7 +1698,7 @@ class Repository:
             rows = (await conn.execute(stmt, {**params, "now": now})).all()
             return [_assignment(r) for r in rows]
 
-        return await self._tx("pending_assignments", run, autocommit=True)
+        return await self._tx("pending_assignments", run, autocommit=True, driver=True)
 
     async def session_pending(
         self, session: Session, *, device_ids: Sequence[str] = (), limit: int | None = None
@@ -1661,7 +1719,7 @@ class Repository:
                 raise _unauthorized(session)
             return [_assignment(r) for r in rows if r.id is not None]
 
-        return await self._tx("session_pending", run, autocommit=True)
+        return await self._tx("session_pending", run, autocommit=True, driver=True)
 
     async def _assignments(
         self, conn: AsyncConnection, *conds: sa.ColumnElement[bool], limit: int | None = None
@@ -1916,7 +1974,7 @@ class Repository:
                 )
             return [o if o is not None else RuntimeError("renewal without outcome") for o in out]
 
-        return await self._tx("renew", run)
+        return await self._tx("renew", run, driver=True)
 
     async def _renewals_without_row(
         self,
@@ -2603,7 +2661,7 @@ class Repository:
                 return None
             return int(row.session_generation)
 
-        return await self._tx("current_generation", run, autocommit=True)
+        return await self._tx("current_generation", run, autocommit=True, driver=True)
 
     async def heartbeat(self, session: Session, devices: Sequence[DeviceSnapshot]) -> None:
         """Refresh last_seen and replace only this host's device records."""
@@ -2625,7 +2683,7 @@ class Repository:
                 raise _unauthorized(session)
             await self._replace_devices(conn, now, session.host_id, snapshot)
 
-        await self._tx("heartbeat", run)
+        await self._tx("heartbeat", run, driver=True)
 
     async def _replace_devices(
         self, conn: AsyncConnection, now: datetime, host_id: str, snapshot: list[DeviceSnapshot]
