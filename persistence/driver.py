@@ -25,7 +25,6 @@ at each run (``IN`` with a list of values) is completed by SQLAlchemy's
 from __future__ import annotations
 
 import re
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -241,9 +240,7 @@ class _Values:
 #: statements live as long as the process, and the entry holds the statement,
 #: so an id is never reused.
 _COMPILED: dict[tuple[int, tuple[str, ...]], _Compiled] = {}
-#: Prepared statements per driver connection (their server-side names are the
-#: connection's own).
-_PREPARED: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+_INFO_KEY = "fleetlease.prepared"
 
 
 class DriverConnection:
@@ -254,14 +251,26 @@ class DriverConnection:
 
     __slots__ = ("_prebuilt", "_prepared", "dialect", "raw")
 
-    def __init__(self, raw: asyncpg.Connection, dialect: Dialect, prebuilt: Any) -> None:
+    def __init__(
+        self, raw: asyncpg.Connection, dialect: Dialect, prebuilt: Any, prepared: dict[str, Any]
+    ) -> None:
         self.raw = raw
         self.dialect = dialect
         self._prebuilt = prebuilt
-        prepared = _PREPARED.get(raw)
-        if prepared is None:
-            prepared = _PREPARED[raw] = {}
         self._prepared = prepared
+
+    @classmethod
+    async def of(cls, conn: Any, prebuilt: Any) -> DriverConnection:
+        """The driver connection under ``conn`` (a SQLAlchemy ``AsyncConnection``).
+        Its prepared statements are kept in the pool's ``info`` of that
+        connection, which lives and is discarded with it (a prepared statement
+        refers to its connection: a cache outside would keep every connection
+        the pool ever discarded alive)."""
+        fairy = await conn.get_raw_connection()
+        prepared = fairy.info.get(_INFO_KEY)
+        if prepared is None:
+            prepared = fairy.info[_INFO_KEY] = {}
+        return cls(fairy.driver_connection, conn.dialect, prebuilt, prepared)
 
     def _compiled(self, stmt: Any, params: Mapping[str, Any] | None) -> _Compiled:
         # As SQLAlchemy does, an INSERT or UPDATE without values of its own sets

@@ -717,12 +717,11 @@ class Repository:
         failure that may have broken the connection discards it rather than
         return it to the pool."""
         async with self.engine.connect() as conn:
-            raw = (await conn.get_raw_connection()).driver_connection
-            dconn = DriverConnection(raw, self.engine.dialect, _is_prebuilt)
+            dconn = await DriverConnection.of(conn, _is_prebuilt)
             try:
                 if autocommit:
                     return await fn(dconn, self.clock.now())
-                async with raw.transaction():
+                async with dconn.raw.transaction():
                     return await fn(dconn, self.clock.now())
             except RepositoryError:
                 raise

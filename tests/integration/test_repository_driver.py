@@ -4,6 +4,8 @@ errors), on real PostgreSQL."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -28,8 +30,7 @@ async def _both(world: World) -> AsyncIterator[tuple[AsyncConnection, DriverConn
     """A SQLAlchemy connection and a driver one (each in autocommit)."""
     async with world.engine.connect() as sa_conn, world.engine.connect() as other:
         await sa_conn.execution_options(isolation_level="AUTOCOMMIT")
-        raw = (await other.get_raw_connection()).driver_connection
-        yield sa_conn, DriverConnection(raw, world.engine.dialect, _is_prebuilt)
+        yield sa_conn, await DriverConnection.of(other, _is_prebuilt)
 
 
 async def _tasks(world: World, n: int) -> list[str]:
@@ -225,3 +226,26 @@ async def test_a_statement_prepared_before_a_schema_change_runs_again(world: Wor
         assert await d_conn.scalar(read) == 7
         await sa_conn.execute(sa.text("ALTER TABLE driver_scratch ALTER COLUMN a TYPE bigint"))
         assert await d_conn.scalar(read) == 7
+
+
+async def test_a_discarded_connection_is_freed_with_its_prepared_statements(world: World) -> None:
+    """The prepared statements are kept with their connection's pool record
+    (SQLAlchemy's ``info``), not beside the pool: once the pool lets the
+    connection go, nothing keeps it alive (a prepared statement refers to its
+    connection, so a cache outside would keep every discarded one)."""
+    held: list[weakref.ref[Any]] = []
+
+    async def run(conn: DriverConnection, now: Any) -> None:
+        await conn.execute(
+            _prebuilt(
+                ("test_driver", "count"), lambda: sa.select(sa.func.count()).select_from(tasks)
+            )
+        )
+        held.append(weakref.ref(conn.raw))
+        raise ConnectionResetError("lost")  # the connection is discarded
+
+    with pytest.raises(Unavailable):
+        await world.repo._tx("test", run, driver=True)
+    await world.engine.dispose()  # the records go (a record clears it at its next use)
+    gc.collect()
+    assert held[0]() is None
