@@ -236,10 +236,11 @@ class _Values:
         return self._values[0]
 
 
-#: Compiled statements by identity (and the parameters' names). Prebuilt
+#: Compiled statements by identity (the parameters' names, the server's
+#: version). Prebuilt
 #: statements live as long as the process, and the entry holds the statement,
 #: so an id is never reused.
-_COMPILED: dict[tuple[int, tuple[str, ...]], _Compiled] = {}
+_COMPILED: dict[tuple[int, tuple[str, ...], Any], _Compiled] = {}
 _INFO_KEY = "fleetlease.prepared"
 
 
@@ -275,13 +276,15 @@ class DriverConnection:
     def _compiled(self, stmt: Any, params: Mapping[str, Any] | None) -> _Compiled:
         # As SQLAlchemy does, an INSERT or UPDATE without values of its own sets
         # the columns the parameters name (the others take their defaults).
+        # The server's version too: the dialect may compile for it.
         keys = tuple(sorted(params)) if params else ()
-        entry = _COMPILED.get((id(stmt), keys))
+        cache_key = (id(stmt), keys, self.dialect.server_version_info)
+        entry = _COMPILED.get(cache_key)
         if entry is not None and entry.stmt is stmt:
             return entry
         entry = _Compiled(stmt, self.dialect, keys)
         if self._prebuilt(stmt):
-            _COMPILED[(id(stmt), keys)] = entry
+            _COMPILED[cache_key] = entry
         return entry
 
     async def execute(self, stmt: Any, params: Mapping[str, Any] | None = None) -> DriverResult:

@@ -24,6 +24,8 @@ from tests.integration.test_repository_support import World, world
 
 __all__ = ["world"]
 
+pytestmark = pytest.mark.embedded
+
 
 @asynccontextmanager
 async def _both(world: World) -> AsyncIterator[tuple[AsyncConnection, DriverConnection]]:
