@@ -702,9 +702,22 @@ class Repository:
                         f"database unavailable during {op}", op=op, sqlstate=state
                     ) from exc
                 raise
+            except asyncpg.PostgresError as exc:  # hand-written SQL on the driver's path
+                state = exc.sqlstate
+                if await _may_retry(op, state, attempt):
+                    continue
+                if (
+                    isinstance(exc, asyncpg.PostgresConnectionError)
+                    or state in RETRY_SQLSTATES
+                    or (state or "").startswith(("08", "53", "57"))
+                ):
+                    raise Unavailable(
+                        f"database unavailable during {op}", op=op, sqlstate=state
+                    ) from exc
+                raise
             except (
                 asyncpg.InterfaceError,  # the driver's own, on the driver's path
-                asyncpg.InternalClientError,
+                asyncpg.InternalClientError,  # e.g. a connection the server closed
                 OSError,
                 TimeoutError,
                 sa.exc.TimeoutError,
@@ -725,74 +738,23 @@ class Repository:
                     return await fn(dconn, self.clock.now())
             except RepositoryError:
                 raise
-            except sa.exc.DBAPIError as exc:
-                # A server's refusal leaves the connection usable; anything else
-                # of the driver's (a lost connection) does not.
-                cause = exc.__cause__
+            except BaseException as exc:
+                # A server's refusal (raised by the driver, or translated by
+                # ``DriverConnection``) leaves the connection usable; anything
+                # else (lost, or a statement cut short) leaves it unknown.
+                cause = exc.__cause__ if isinstance(exc, sa.exc.DBAPIError) else exc
                 if not isinstance(cause, asyncpg.PostgresError) or isinstance(
                     cause, asyncpg.PostgresConnectionError
                 ):
                     await conn.invalidate()
                 raise
-            except BaseException:
-                # Lost, or a statement cut short: its state is unknown.
-                await conn.invalidate()
-                raise
 
     async def _raw(self, op: str, fn: Callable[[Any, datetime], Awaitable[T]]) -> T:
-        """``_tx``'s contract for ``fn`` run on the driver's (asyncpg) connection
-        itself, in autocommit: each statement is its own transaction, with no
-        BEGIN or COMMIT round trip and no SQLAlchemy execution around it (the
-        renewal's hot path). A failure that may have broken the connection
-        discards it rather than return it to the pool."""
-        for attempt in range(1, TX_ATTEMPTS + 1):
-            try:
-                async with self.engine.connect() as conn:
-                    raw = (await conn.get_raw_connection()).driver_connection
-                    try:
-                        return await fn(raw, self.clock.now())
-                    except RepositoryError:
-                        raise
-                    except asyncpg.PostgresError as exc:
-                        if isinstance(exc, asyncpg.PostgresConnectionError):
-                            await conn.invalidate()
-                        raise
-                    except BaseException:
-                        # Lost, or a statement cut short: its state is unknown.
-                        await conn.invalidate()
-                        raise
-            except RepositoryError:
-                raise
-            except asyncpg.PostgresError as exc:
-                state = exc.sqlstate
-                if await _may_retry(op, state, attempt):
-                    continue
-                if (
-                    isinstance(exc, asyncpg.PostgresConnectionError)
-                    or state in RETRY_SQLSTATES
-                    or (state or "").startswith(("08", "53", "57"))
-                ):
-                    raise Unavailable(
-                        f"database unavailable during {op}", op=op, sqlstate=state
-                    ) from exc
-                raise
-            except (
-                asyncpg.InterfaceError,
-                asyncpg.InternalClientError,  # e.g. a connection the server closed
-                OSError,
-                TimeoutError,
-            ) as exc:
-                raise Unavailable(f"database unavailable during {op}", op=op) from exc
-            except sa.exc.DBAPIError as exc:  # taking a connection from the pool
-                state = _sqlstate(exc)
-                if await _may_retry(op, state, attempt):
-                    continue
-                raise Unavailable(
-                    f"database unavailable during {op}", op=op, sqlstate=state
-                ) from exc
-            except sa.exc.TimeoutError as exc:
-                raise Unavailable(f"database unavailable during {op}", op=op) from exc
-        raise Unavailable(f"database kept aborting {op}", op=op)  # pragma: no cover
+        """``_tx`` for hand-written SQL: ``fn`` is given the driver's (asyncpg)
+        connection itself, in autocommit: each statement is its own
+        transaction, with no BEGIN or COMMIT round trip (the renewal's hot
+        path, the user request's reads)."""
+        return await self._tx(op, lambda conn, now: fn(conn.raw, now), autocommit=True, driver=True)
 
     # --- tasks -----------------------------------------------------------------
     async def submit(self, spec: TaskSpec) -> str:
