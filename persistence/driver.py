@@ -160,56 +160,8 @@ class _Compiled:
         )
 
 
-class DriverResult:
-    """The slice of SQLAlchemy's ``CursorResult`` the repository uses."""
-
-    __slots__ = ("_rows", "rowcount")
-
-    def __init__(self, rows: list[DriverRow], rowcount: int) -> None:
-        self._rows = rows
-        self.rowcount = rowcount
-
-    def __iter__(self) -> Iterator[DriverRow]:
-        return iter(self._rows)
-
-    def all(self) -> list[DriverRow]:
-        return list(self._rows)
-
-    fetchall = all
-
-    def first(self) -> DriverRow | None:
-        return self._rows[0] if self._rows else None
-
-    def one_or_none(self) -> DriverRow | None:
-        if len(self._rows) > 1:
-            raise sa.exc.MultipleResultsFound("more than one row where one or none was required")
-        return self.first()
-
-    def one(self) -> DriverRow:
-        row = self.one_or_none()
-        if row is None:
-            raise sa.exc.NoResultFound("No row was found when one was required")
-        return row
-
-    def scalar(self) -> Any:
-        return self._rows[0][0] if self._rows else None
-
-    def scalar_one(self) -> Any:
-        return self.one()[0]
-
-    def scalar_one_or_none(self) -> Any:
-        row = self.one_or_none()
-        return None if row is None else row[0]
-
-    def scalars(self) -> _Values:
-        return _Values([r[0] for r in self._rows])
-
-    def mappings(self) -> _Values:
-        return _Values([r._mapping for r in self._rows])
-
-
 class _Values:
-    """``scalars()`` / ``mappings()``: a list with SQLAlchemy's accessors."""
+    """A list with SQLAlchemy's accessors (``scalars()``, ``mappings()``)."""
 
     __slots__ = ("_values",)
 
@@ -231,15 +183,43 @@ class _Values:
         return self.first()
 
     def one(self) -> Any:
-        if len(self._values) != 1:
+        if not self._values:
             raise sa.exc.NoResultFound("No row was found when one was required")
-        return self._values[0]
+        return self.one_or_none()
+
+
+class DriverResult(_Values):
+    """The slice of SQLAlchemy's ``CursorResult`` the repository uses: its rows,
+    with ``_Values``' accessors, plus the row count and the scalar forms."""
+
+    __slots__ = ("rowcount",)
+
+    def __init__(self, rows: list[DriverRow], rowcount: int) -> None:
+        super().__init__(rows)
+        self.rowcount = rowcount
+
+    fetchall = _Values.all
+
+    def scalar(self) -> Any:
+        return self._values[0][0] if self._values else None
+
+    def scalar_one(self) -> Any:
+        return self.one()[0]
+
+    def scalar_one_or_none(self) -> Any:
+        row = self.one_or_none()
+        return None if row is None else row[0]
+
+    def scalars(self) -> _Values:
+        return _Values([r[0] for r in self._values])
+
+    def mappings(self) -> _Values:
+        return _Values([r._mapping for r in self._values])
 
 
 #: Compiled statements by identity (the parameters' names, the server's
-#: version). Prebuilt
-#: statements live as long as the process, and the entry holds the statement,
-#: so an id is never reused.
+#: version). Prebuilt statements live as long as the process, and the entry
+#: holds the statement, so an id is never reused.
 _COMPILED: dict[tuple[int, tuple[str, ...], Any], _Compiled] = {}
 _INFO_KEY = "fleetlease.prepared"
 
