@@ -99,6 +99,9 @@ class BenchOptions:
     #: run's own maximum moves with it.
     paced_rate: float | None = None
     peers: bool = False
+    #: Also run the floor cell (``ops/bench_floor.py``): the actors and the
+    #: write-through alone, no transport and no agents.
+    floor: bool = False
     database_url: str | None = None
     nats_url: str | None = None
     progress: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
@@ -1252,6 +1255,22 @@ async def run(opts: BenchOptions) -> dict[str, Any]:
             calibration["transition_ceiling_tasks_per_s"] = ceiling
             report["calibration"] = calibration
 
+            if opts.floor:
+                _say(opts, "floor: the control plane's core alone")
+                from ops.bench_floor import floor_cell
+
+                try:
+                    async with scratch_database(srv.database_url, "floor") as url:
+                        report["floor"] = await floor_cell(
+                            url,
+                            hosts=opts.hosts,
+                            devices_per_host=opts.devices_per_host,
+                            tasks=opts.tasks,
+                            machine_busy_s=_machine_busy_s,
+                            xact_commit=_xact_commit,
+                        )
+                except Exception as exc:  # one failed cell must not lose the others
+                    report["floor"] = {"error": f"{type(exc).__name__}: {exc}"}
             async with scratch_database(srv.database_url, "fleet") as db_url:
                 fleet = await _setup_fleet(db_url, srv.nats_url, work)
                 _say(opts, "throughput")
@@ -1265,6 +1284,10 @@ async def run(opts: BenchOptions) -> dict[str, Any]:
                 report["recovery"] = cells["recovery"]
             ours = report["throughput"]["tasks_per_s"]
             ratios: dict[str, Any] = {"of_transition_ceiling": _ratio(ours, ceiling)}
+            if opts.floor:
+                floor = report["floor"].get("tasks_per_s")
+                ratios["floor_of_transition_ceiling"] = _ratio(floor, ceiling)
+                ratios["of_floor"] = _ratio(ours, floor)
             if opts.peers:
                 peers = await peers_cell(opts, srv.database_url)
                 report["peers"] = peers

@@ -65,6 +65,12 @@ def register(sub: Any) -> None:
         "--peers", action="store_true", help="also run procrastinate and pgqueuer (extra 'bench')"
     )
     p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run the control plane's actors and write-through alone, in process, "
+        "with no transport and no agents (an upper bound for this machine)",
+    )
+    p.add_argument(
         "--database-url",
         help="a PostgreSQL server where scratch databases may be created "
         "(env FLEETLEASE_DATABASE_URL; embedded when not given)",
@@ -92,6 +98,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             calibration_s=args.calibration_s,
             paced_rate=args.paced_rate,
             peers=args.peers,
+            floor=args.floor,
             database_url=args.database_url or os.environ.get("FLEETLEASE_DATABASE_URL") or None,
             nats_url=args.nats_url or os.environ.get("FLEETLEASE_NATS_URL") or None,
             progress=_progress if is_tty(sys.stderr) else None,
@@ -270,6 +277,21 @@ def print_report(r: dict[str, Any]) -> None:
         )
         table.add_row("", "until every lease served again", _f(rc["all_leases_served_s"], " s", 2))
         table.add_row("", "lost / duplicated tasks", f"{rc['lost']} / {rc['duplicated']}")
+    fl = r.get("floor")
+    if fl and "error" in fl:
+        table.add_row("floor", "failed", fl["error"])
+    elif fl:
+        table.add_row("floor", "actors + write-through alone: tasks/s", _f(fl["tasks_per_s"]))
+        table.add_row("", "... transitions/s (5 per task)", _f(fl["transitions_per_s"]))
+        table.add_row("", "commits per task", _f(fl["commits_per_task"], digits=2))
+        table.add_row(
+            "",
+            "CPU per task: control plane (no transport) / machine",
+            " / ".join(
+                _f(fl[k] * 1000, " ms", 2)
+                for k in ("process_cpu_s_per_task", "machine_cpu_s_per_task")
+            ),
+        )
     peers = r.get("peers")
     if peers:
         for name in ("procrastinate", "pgqueuer"):
@@ -283,6 +305,11 @@ def print_report(r: dict[str, Any]) -> None:
     table.add_row(
         "ratios", "ours / transition ceiling", _f(ratios.get("of_transition_ceiling"), "", 2)
     )
+    if "floor_of_transition_ceiling" in ratios:
+        table.add_row(
+            "", "floor / transition ceiling", _f(ratios["floor_of_transition_ceiling"], "", 2)
+        )
+        table.add_row("", "ours / floor", _f(ratios.get("of_floor"), "", 2))
     for name in ("procrastinate", "pgqueuer"):
         if f"vs_{name}" in ratios:
             table.add_row("", f"ours / {name}", _f(ratios.get(f"vs_{name}"), "", 2))

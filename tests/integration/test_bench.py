@@ -46,6 +46,7 @@ def test_bench_with_tiny_sizes_prints_a_report_of_every_cell(
             "1",
             "--paced-rate",
             "5",
+            "--floor",
             "--database-url",
             pg_server_url,
             "--nats-url",
@@ -116,6 +117,19 @@ def test_bench_with_tiny_sizes_prints_a_report_of_every_cell(
     assert rc["leases"] == 3
     assert rc["lost"] == 0 and rc["duplicated"] == 0
     assert rc["all_leases_served_s"] >= rc["restart_s"] >= 0
+
+    fl = report["floor"]
+    assert "error" not in fl, fl
+    assert fl["tasks"] == 20 and fl["concurrency"] == 2
+    for key in (
+        "tasks_per_s",
+        "transitions_per_s",
+        "process_cpu_s_per_task",
+        "machine_cpu_s_per_task",
+        "commits_per_task",
+    ):
+        assert isinstance(fl[key], int | float) and fl[key] > 0, key
+    assert {"floor_of_transition_ceiling", "of_floor"} <= set(report["ratios"])
 
     assert "of_transition_ceiling" in report["ratios"]
     assert "peers" not in report
