@@ -117,7 +117,7 @@ from nats.errors import AuthorizationError as NatsAuthorizationError
 from nats.errors import Error as NatsError
 
 from hostagent.devices import DeviceManager, UnknownDevice
-from hostagent.journal import EntryState, Journal, JournalError, JournalRecord
+from hostagent.journal import EntryState, Journal, JournalError, JournalRecord, JournalThread
 from hostagent.runners import RunContext, RunnerFactory, RunOutcome, guard, load_runners
 from hostagent.runners.base import GuardedRunner
 from persistence.model import Outcome, TaskKind
@@ -641,6 +641,8 @@ class Agent:
         #: Set while the agent itself flips a device for one of its leases.
         self._lease_flip = False
         self._journal_lock = asyncio.Lock()
+        #: Every journal call after the journal is open, in order, off the loop.
+        self._journal_calls = JournalThread(f"fleetlease-journal-{config.host_id}")
         self._started = asyncio.Event()
         #: Loop time of the first of the current run of authorization refusals.
         self._refused_since: float | None = None
@@ -1018,7 +1020,7 @@ class Agent:
     async def _reconcile(self, client: HostClient) -> None:
         journal = self._journal_or_fail()
         async with self._journal_lock:
-            entries = await asyncio.to_thread(journal.entries)
+            entries = await self._journal_calls.call(journal.entries)
             result = await client.reconcile(
                 [
                     wire.ReconcileEntry(
@@ -1044,7 +1046,7 @@ class Agent:
                 if att is not None:
                     self._lease_lost(att, f"reconcile: {reason or 'discard'}")
                 else:
-                    await asyncio.to_thread(journal.remove, entry.task_id, entry.attempt)
+                    await self._journal_calls.call(journal.remove, entry.task_id, entry.attempt)
                 continue
             confirmed += 1
             if att is not None:
@@ -1293,7 +1295,7 @@ class Agent:
         journal = self._journal_or_fail()
         try:
             async with self._journal_lock:
-                await asyncio.to_thread(journal.add, record)
+                await self._journal_calls.call(journal.add, record)
         except JournalError as exc:
             # Without a durable entry there is no ack: the attempt returns to the
             # control plane at its ack deadline.
@@ -1377,7 +1379,7 @@ class Agent:
                 if rec.state is EntryState.ACCEPTED:
                     if not await self._ack(att):
                         return
-                    await asyncio.to_thread(journal.mark_running, rec.task_id, rec.attempt)
+                    await self._journal_calls.call(journal.mark_running, rec.task_id, rec.attempt)
                 outcome = await self._run(att)
                 if outcome is None:
                     return
@@ -1405,7 +1407,7 @@ class Agent:
                 att.renewer.cancel()
             if att.entry_done:
                 with contextlib.suppress(JournalError):
-                    await asyncio.to_thread(journal.remove, rec.task_id, rec.attempt)
+                    await self._journal_calls.call(journal.remove, rec.task_id, rec.attempt)
             self._attempts.pop(rec.key, None)
             if att.holds_device:
                 self._releasing.discard(rec.device_id)
@@ -1435,7 +1437,7 @@ class Agent:
             )
             return reason
         journal = self._journal_or_fail()
-        count = await asyncio.to_thread(journal.begin_resume, rec.task_id, rec.attempt)
+        count = await self._journal_calls.call(journal.begin_resume, rec.task_id, rec.attempt)
         log.info("attempt_resume_counted", task_id=rec.task_id, attempt=rec.attempt, resumes=count)
         return None
 
@@ -1622,7 +1624,7 @@ class Agent:
         # Recorded and read back in one executor call (the stored entry holds
         # the first recorded result, should there have been one already).
         try:
-            stored = await asyncio.to_thread(
+            stored = await self._journal_calls.call(
                 journal.finish,
                 rec.task_id,
                 rec.attempt,
@@ -1634,7 +1636,7 @@ class Agent:
         except ValueError:
             outcome = RunOutcome.failed("runner returned a result that is not JSON data")
             reason = outcome.reason
-            stored = await asyncio.to_thread(
+            stored = await self._journal_calls.call(
                 journal.finish,
                 rec.task_id,
                 rec.attempt,
@@ -1971,6 +1973,7 @@ class Agent:
         await asyncio.gather(*tasks, *background, return_exceptions=True)
         if self.client is not None:
             await self.client.close()
+        await self._journal_calls.stop()
         if self._owns_journal and self._journal is not None:
             self._journal.close()
         log.info(

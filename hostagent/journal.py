@@ -25,20 +25,23 @@ no log event carries it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
 import hashlib
 import json
 import math
 import os
+import queue
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -51,6 +54,7 @@ __all__ = [
     "Journal",
     "JournalError",
     "JournalRecord",
+    "JournalThread",
     "UnknownEntry",
     "canonical_json",
     "result_fingerprint",
@@ -672,3 +676,79 @@ class Journal:
             "SELECT 1 FROM entries WHERE task_id = ? AND attempt = ?", (task_id, attempt)
         ).fetchone()
         return row is not None
+
+
+T = TypeVar("T")
+_Call = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
+
+
+class JournalThread:
+    """An agent's journal calls, run in the order they are made on one thread
+    of their own, so that the event loop never waits for SQLite's fsync.
+
+    The journal serializes its calls behind its lock anyway; one thread in
+    place of the default executor's pool means that a run of calls queued
+    together (several attempts acking or finishing at once) wakes the thread
+    once and reaches the loop in one hand-off, instead of one thread hand-off
+    and one loop wake-up each. A call's caller is answered after the call
+    returned, as before: a write is committed when its ``await`` ends. A
+    caller cancelled meanwhile does not stop its call (nor did the executor).
+    """
+
+    def __init__(self, name: str = "fleetlease-journal") -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+            self._thread.start()
+        self._queue.put((loop, fut, fn, args))
+        return await fut
+
+    async def stop(self) -> None:
+        """Run what is queued, then end the thread (idempotent; a later call
+        starts another)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            await asyncio.get_running_loop().run_in_executor(None, thread.join)
+
+    def _work(self) -> None:
+        q = self._queue
+        while True:
+            batch = [q.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    batch.append(q.get_nowait())
+            answers: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any, Any]]] = {}
+            stop = False
+            for item in batch:
+                if item is None:
+                    stop = True
+                    continue
+                loop, fut, fn, args = item
+                try:
+                    answer = (fut, fn(*args), None)
+                except BaseException as exc:  # handed to the caller, as an executor does
+                    answer = (fut, None, exc)
+                answers.setdefault(loop, []).append(answer)
+            for loop, settled in answers.items():
+                # The loop is gone only if the agent is: nobody waits any more.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(_settle, settled)
+            if stop:
+                return
+
+
+def _settle(settled: list[tuple[Any, Any, Any]]) -> None:
+    for fut, result, exc in settled:
+        if fut.done():
+            continue  # its caller was cancelled
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import threading
@@ -15,6 +16,7 @@ from hostagent.journal import (
     Journal,
     JournalError,
     JournalRecord,
+    JournalThread,
     UnknownEntry,
     result_fingerprint,
 )
@@ -570,3 +572,101 @@ def test_every_write_is_committed_when_it_returns(path: Path) -> None:
         assert seen() == []
         conn = journal._conn
         assert conn is not None and not conn.in_transaction
+
+
+# --- JournalThread: the agent's journal calls, in order, off the loop ---------------------
+
+
+async def test_journal_thread_runs_calls_in_order_on_one_thread_off_the_loop() -> None:
+    jt = JournalThread()
+    ran: list[tuple[int, int]] = []
+
+    def work(i: int) -> int:
+        ran.append((i, threading.get_ident()))
+        return i * i
+
+    try:
+        answers = await asyncio.gather(*(jt.call(work, i) for i in range(50)))
+    finally:
+        await jt.stop()
+    assert answers == [i * i for i in range(50)]
+    assert [i for i, _ in ran] == list(range(50))
+    threads = {t for _, t in ran}
+    assert len(threads) == 1 and threading.get_ident() not in threads
+
+
+async def test_journal_thread_hands_each_caller_its_own_error() -> None:
+    jt = JournalThread()
+
+    def fails(i: int) -> int:
+        if i % 2:
+            raise UnknownEntry(f"task-{i}", 1)
+        return i
+
+    try:
+        outcomes = await asyncio.gather(
+            *(jt.call(fails, i) for i in range(6)), return_exceptions=True
+        )
+    finally:
+        await jt.stop()
+    assert outcomes[0::2] == [0, 2, 4]
+    for i, exc in zip(range(1, 6, 2), outcomes[1::2], strict=True):
+        assert isinstance(exc, UnknownEntry) and exc.fields == {
+            "task_id": f"task-{i}",
+            "attempt": 1,
+        }
+
+
+async def test_a_cancelled_caller_does_not_stop_its_call_nor_the_next() -> None:
+    jt = JournalThread()
+    release = threading.Event()
+    started = threading.Event()
+    ran: list[str] = []
+
+    def blocked() -> str:
+        started.set()
+        release.wait(10)
+        ran.append("first")
+        return "first"
+
+    def second() -> str:
+        ran.append("second")
+        return "second"
+
+    try:
+        first = asyncio.ensure_future(jt.call(blocked))
+        gone = asyncio.ensure_future(jt.call(second))
+        third = asyncio.ensure_future(jt.call(lambda: "third"))
+        # The thread holds the first; the other two were queued before it began.
+        assert await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        gone.cancel()
+        release.set()
+        assert await first == "first"
+        assert await third == "third"
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert ran == ["first", "second"]  # it ran all the same, in its turn
+    finally:
+        release.set()
+        await jt.stop()
+
+
+async def test_journal_thread_stop_runs_what_is_queued_and_a_later_call_starts_again(
+    tmp_path: Path,
+) -> None:
+    jt = JournalThread()
+    journal = Journal(tmp_path / "j.sqlite3")
+    try:
+        assert await jt.call(journal.add, record()) is True
+        # A call queued before the stop runs before the thread ends.
+        moved, _ = await asyncio.gather(jt.call(journal.mark_running, "task-1", 1), jt.stop())
+        assert moved is True
+        # Restarted by the next call: the agent may run again after a stop.
+        assert await jt.call(journal.mark_running, "task-1", 1) is False
+        stored = await jt.call(journal.finish, "task-1", 1, Outcome.DONE, False, "", {"ok": True})
+        assert stored.state is EntryState.FINISHED
+        assert await jt.call(journal.remove, "task-1", 1) is True
+        assert await jt.call(journal.entries) == []
+    finally:
+        await jt.stop()
+        journal.close()
