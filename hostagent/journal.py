@@ -731,6 +731,7 @@ class JournalThread:
                     stop = True
                     continue
                 loop, fut, fn, args = item
+                answer: tuple[asyncio.Future[Any], Any, BaseException | None]
                 try:
                     answer = (fut, fn(*args), None)
                 except BaseException as exc:  # handed to the caller, as an executor does

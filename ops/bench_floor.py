@@ -30,6 +30,7 @@ from persistence.model import DeviceSnapshot, LeaseTimings, Outcome, TaskKind, T
 
 SUBMIT_BATCH = 100
 _CLAIM_WAIT_S = 5.0
+_HEARTBEAT_S = 10.0
 _PROJECT = "default"
 _OWNER = "admin"
 
@@ -57,7 +58,7 @@ async def floor_cell(
     # As serve's: every connection kept, none overflowing.
     engine = create_engine(url, pool_size=40, max_overflow=0)
     cp: Any = None
-    loops: list[asyncio.Task[None]] = []
+    loops: list[asyncio.Task[Any]] = []
     try:
         await upgrade_engine(engine)
         repo = Repository(engine, clock, timings)
@@ -105,11 +106,19 @@ async def floor_cell(
                     if done >= tasks:
                         all_done.set()
 
+        async def heartbeat_loop(session: Any, devices: list[str]) -> None:
+            # As an agent does: a long run must not outlive the hosts' liveness.
+            snapshot = [DeviceSnapshot(device_id=d) for d in devices]
+            while True:
+                await asyncio.sleep(_HEARTBEAT_S)
+                await cp.heartbeat(session, snapshot)
+
         loops = [
             asyncio.ensure_future(device_loop(session, d))
             for session, devices in sessions
             for d in devices
         ]
+        loops += [asyncio.ensure_future(heartbeat_loop(s, devices)) for s, devices in sessions]
         spec = TaskSpec(
             kind=TaskKind.GOAL, goal="floor", payload={}, project=_PROJECT, owner=_OWNER
         )
@@ -121,7 +130,8 @@ async def floor_cell(
             await cp.submit_many([spec] * n)
             left -= n
         waiter = asyncio.ensure_future(all_done.wait())
-        pending = {waiter, *loops}
+        loops.append(waiter)  # cancelled with the loops, however this ends
+        pending = set(loops)
         deadline = time.perf_counter() + timeout_s
         while not all_done.is_set():
             finished, pending = await asyncio.wait(
