@@ -37,6 +37,11 @@ Everything is measured in one run, on this machine, beside its calibration:
 * **recovery**: with ``--recovery-leases`` of those leases still active, SIGKILL
   the control plane, start it again, and time until every lease has been renewed
   again; then finish them all and count tasks lost or run twice (must be 0).
+* **floor** (``--floor``, before the throughput cell): the actors and the
+  write-through alone, in this process, with loops calling the ``ControlPlane``
+  facade for hosts that cost nothing (``ops/bench_floor.py``): tasks/s,
+  transitions/s, commits and CPU per task; the ratios floor / ceiling and
+  whole system / floor. An upper bound for the whole system here.
 * **peers** (``--peers``): the same N zero-duration jobs through procrastinate and
   pgqueuer (extra ``bench``), each alone on a scratch database of the same
   PostgreSQL, with the same worker concurrency (hosts x devices per host).
