@@ -35,19 +35,19 @@ import pykka
 import structlog
 from pykka import ActorDeadError
 
-from actors import failpoints
-from actors.bridge import Bridge, Reply
-from actors.messages import Crash, Message
-from persistence.clock import Clock
-from persistence.errors import Invalid, RepositoryError, Unavailable
-from persistence.model import Assignment, LeaseStatus, TaskState
-from persistence.repository import Renewal, Repository, Transition
+from fleetlease.actors import failpoints
+from fleetlease.actors.bridge import Bridge, Reply
+from fleetlease.actors.messages import Crash, Message
+from fleetlease.persistence.clock import Clock
+from fleetlease.persistence.errors import Invalid, RepositoryError, Unavailable
+from fleetlease.persistence.model import Assignment, LeaseStatus, TaskState
+from fleetlease.persistence.repository import Renewal, Repository, Transition
 
 if TYPE_CHECKING:
     from pykka._actor import ActorInbox
     from pykka._envelope import Envelope
 
-    from actors.supervisor import Supervisor
+    from fleetlease.actors.supervisor import Supervisor
 
 log = structlog.get_logger("fleetlease.actors")
 
@@ -154,7 +154,7 @@ class Context:
         task_id: str,
         host_id: str,
     ) -> None:
-        from actors.messages import Committed, Crash
+        from fleetlease.actors.messages import Committed, Crash
 
         def answer(value: Any, exc: BaseException | None = None) -> None:
             if reply is not None:

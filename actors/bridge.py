@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
-from persistence.errors import Unavailable
+from fleetlease.persistence.errors import Unavailable
 
 T = TypeVar("T")
 

@@ -34,8 +34,8 @@ from typing import Any, Generic, TypeVar
 
 import structlog
 
-from persistence.model import LeaseStatus
-from persistence.repository import Renewal, Repository, Transition
+from fleetlease.persistence.model import LeaseStatus
+from fleetlease.persistence.repository import Renewal, Repository, Transition
 
 log = structlog.get_logger("fleetlease.groupcommit")
 

@@ -34,9 +34,9 @@ from typing import Any
 
 import structlog
 
-from actors import failpoints
-from actors.base import Context, FleetActor
-from actors.messages import (
+from fleetlease.actors import failpoints
+from fleetlease.actors.base import Context, FleetActor
+from fleetlease.actors.messages import (
     Ack,
     Adopt,
     AttemptEnded,
@@ -51,8 +51,15 @@ from actors.messages import (
     Renewed,
     ReportResult,
 )
-from persistence.model import Assignment, Claimed, LeaseStatus, Outcome, ResultRecord, TaskState
-from persistence.repository import Renewal
+from fleetlease.persistence.model import (
+    Assignment,
+    Claimed,
+    LeaseStatus,
+    Outcome,
+    ResultRecord,
+    TaskState,
+)
+from fleetlease.persistence.repository import Renewal
 
 log = structlog.get_logger("fleetlease.lease")
 

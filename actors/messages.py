@@ -12,9 +12,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from actors.bridge import Reply
-from persistence.errors import Invalid
-from persistence.model import Assignment, LeaseStatus, Outcome, Session, User, canonical_uuid
+from fleetlease.actors.bridge import Reply
+from fleetlease.persistence.errors import Invalid
+from fleetlease.persistence.model import (
+    Assignment,
+    LeaseStatus,
+    Outcome,
+    Session,
+    User,
+    canonical_uuid,
+)
 
 
 def _check_int(value: object, name: str, *, minimum: int = 0) -> None:

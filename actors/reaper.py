@@ -27,11 +27,11 @@ from datetime import datetime, timedelta
 import structlog
 from pykka import ActorDeadError
 
-from actors import failpoints
-from actors.base import Context, FleetActor
-from actors.messages import Crash, DeadlineHint, Rebuild, Tick
-from persistence.errors import RepositoryError
-from persistence.model import Assignment, Expired
+from fleetlease.actors import failpoints
+from fleetlease.actors.base import Context, FleetActor
+from fleetlease.actors.messages import Crash, DeadlineHint, Rebuild, Tick
+from fleetlease.persistence.errors import RepositoryError
+from fleetlease.persistence.model import Assignment, Expired
 
 log = structlog.get_logger("fleetlease.reaper")
 

@@ -59,11 +59,11 @@ from typing import Any, TypeVar
 import structlog
 from pykka import ActorDeadError, ActorRef
 
-from actors.base import LEASE_THREADS, Context, NotDelivered, Stats
-from actors.bridge import Bridge, Reply
-from actors.groupcommit import RenewBatcher, TransitionBatcher
-from actors.lease import LeaseActor
-from actors.messages import (
+from fleetlease.actors.base import LEASE_THREADS, Context, NotDelivered, Stats
+from fleetlease.actors.bridge import Bridge, Reply
+from fleetlease.actors.groupcommit import RenewBatcher, TransitionBatcher
+from fleetlease.actors.lease import LeaseActor
+from fleetlease.actors.messages import (
     Ack,
     Cancel,
     CancelPoll,
@@ -75,16 +75,16 @@ from actors.messages import (
     Renewed,
     ReportResult,
 )
-from actors.supervisor import Supervisor
-from persistence.clock import Clock
-from persistence.errors import (
+from fleetlease.actors.supervisor import Supervisor
+from fleetlease.persistence.clock import Clock
+from fleetlease.persistence.errors import (
     Conflict,
     Gone,
     Invalid,
     RepositoryError,
     Unavailable,
 )
-from persistence.model import (
+from fleetlease.persistence.model import (
     Assignment,
     CancelRecord,
     Claimed,
@@ -100,7 +100,7 @@ from persistence.model import (
     TaskState,
     User,
 )
-from persistence.repository import Renewal, Repository
+from fleetlease.persistence.repository import Renewal, Repository
 
 log = structlog.get_logger("fleetlease.runtime")
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import structlog
 
-from actors import failpoints
-from actors.base import Context, FleetActor
-from actors.messages import Crash, Rebuild, Wake
-from persistence.errors import RepositoryError
-from persistence.model import Assignment
+from fleetlease.actors import failpoints
+from fleetlease.actors.base import Context, FleetActor
+from fleetlease.actors.messages import Crash, Rebuild, Wake
+from fleetlease.persistence.errors import RepositoryError
+from fleetlease.persistence.model import Assignment
 
 log = structlog.get_logger("fleetlease.scheduler")
 

@@ -32,13 +32,13 @@ from typing import Any
 import structlog
 from pykka import ActorDeadError, ActorRef
 
-from actors.base import Context, FleetActor
-from actors.lease import LeaseActor
-from actors.messages import AttemptEnded, DeadlineHint, Message, Rebuild, Tick, Wake
-from actors.reaper import ReaperActor
-from actors.scheduler import SchedulerActor
-from persistence.errors import Unavailable
-from persistence.model import Assignment
+from fleetlease.actors.base import Context, FleetActor
+from fleetlease.actors.lease import LeaseActor
+from fleetlease.actors.messages import AttemptEnded, DeadlineHint, Message, Rebuild, Tick, Wake
+from fleetlease.actors.reaper import ReaperActor
+from fleetlease.actors.scheduler import SchedulerActor
+from fleetlease.persistence.errors import Unavailable
+from fleetlease.persistence.model import Assignment
 
 log = structlog.get_logger("fleetlease.supervisor")
 

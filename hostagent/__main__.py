@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ops.cli import main
+from fleetlease.ops.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main(["agent", *sys.argv[1:]]))

@@ -116,16 +116,22 @@ import structlog
 from nats.errors import AuthorizationError as NatsAuthorizationError
 from nats.errors import Error as NatsError
 
-from hostagent.devices import DeviceManager, UnknownDevice
-from hostagent.journal import EntryState, Journal, JournalError, JournalRecord, JournalThread
-from hostagent.runners import RunContext, RunnerFactory, RunOutcome, guard, load_runners
-from hostagent.runners.base import GuardedRunner
-from persistence.model import Outcome, TaskKind
-from transport import wire
-from transport.broker_auth import host_connect_options
-from transport.client import HostClient
-from transport.subjects import validate_token
-from transport.wire import RemoteError
+from fleetlease.hostagent.devices import DeviceManager, UnknownDevice
+from fleetlease.hostagent.journal import (
+    EntryState,
+    Journal,
+    JournalError,
+    JournalRecord,
+    JournalThread,
+)
+from fleetlease.hostagent.runners import RunContext, RunnerFactory, RunOutcome, guard, load_runners
+from fleetlease.hostagent.runners.base import GuardedRunner
+from fleetlease.persistence.model import Outcome, TaskKind
+from fleetlease.transport import wire
+from fleetlease.transport.broker_auth import host_connect_options
+from fleetlease.transport.client import HostClient
+from fleetlease.transport.subjects import validate_token
+from fleetlease.transport.wire import RemoteError
 
 __all__ = [
     "AGENT_VERSION",

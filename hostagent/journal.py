@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from persistence.model import Outcome, TaskKind
+from fleetlease.persistence.model import Outcome, TaskKind
 
 __all__ = [
     "JOURNAL_FILENAME",

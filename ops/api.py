@@ -36,10 +36,10 @@ from typing import Any, Protocol
 
 import structlog
 
-from persistence.errors import Forbidden, Invalid, NotFound, Unauthorized
-from persistence.model import RetryPolicy, TaskKind, TaskSpec, TaskState, User
-from persistence.repository import Repository
-from transport.subjects import is_valid_token
+from fleetlease.persistence.errors import Forbidden, Invalid, NotFound, Unauthorized
+from fleetlease.persistence.model import RetryPolicy, TaskKind, TaskSpec, TaskState, User
+from fleetlease.persistence.repository import Repository
+from fleetlease.transport.subjects import is_valid_token
 
 log = structlog.get_logger("fleetlease.ops")
 
@@ -406,7 +406,7 @@ class EventFeed:
                 with contextlib.suppress(RuntimeError):  # loop closed: shutting down
                     loop.call_soon_threadsafe(self.add, event)
                 return
-        from ops.client import normalize_event
+        from fleetlease.ops.client import normalize_event
 
         for raw in event if isinstance(event, list) else [event]:
             shaped = normalize_event(raw)

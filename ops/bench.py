@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import os
 import re
@@ -70,8 +71,8 @@ from typing import Any, TypeVar
 import msgpack
 import psutil
 
-from ops import eventloop
-from ops.bench_transport import _admin, _with_database, pct
+from fleetlease.ops import eventloop
+from fleetlease.ops.bench_transport import _admin, _with_database, pct
 
 T = TypeVar("T")
 
@@ -271,7 +272,7 @@ class Servers:
 
 @contextlib.asynccontextmanager
 async def servers(opts: BenchOptions, work: Path) -> AsyncIterator[Servers]:
-    from ops.embedded import EmbeddedNats, EmbeddedPostgres
+    from fleetlease.ops.embedded import EmbeddedNats, EmbeddedPostgres
 
     pg: EmbeddedPostgres | None = None
     nats_server: EmbeddedNats | None = None
@@ -438,7 +439,7 @@ class ServeProcess:
             [
                 sys.executable,
                 "-m",
-                "ops.cli",
+                "fleetlease.ops.cli",
                 "serve",
                 "--database-url",
                 self.database_url,
@@ -468,7 +469,7 @@ class ServeProcess:
 
     async def ready(self, timeout_s: float = 90.0) -> float:
         """Wait until the user API answers; returns the seconds waited."""
-        from ops.client import OpsClient
+        from fleetlease.ops.client import OpsClient
 
         t0 = time.monotonic()
         async with OpsClient(
@@ -585,7 +586,7 @@ class Events:
 
 
 def _timed_agent_class() -> type:
-    from hostagent.agent import Agent
+    from fleetlease.hostagent.agent import Agent
 
     class TimedAgent(Agent):
         """The real agent, noting when it receives each lease (wall clock)."""
@@ -614,9 +615,9 @@ class Fleet:
 
 
 async def _setup_fleet(db_url: str, nats_url: str, work: Path) -> Fleet:
-    from persistence.db import create_engine
-    from persistence.migrate import upgrade_engine
-    from persistence.repository import Repository
+    from fleetlease.persistence.db import create_engine
+    from fleetlease.persistence.migrate import upgrade_engine
+    from fleetlease.persistence.repository import Repository
 
     engine = create_engine(db_url, pool_size=2)
     try:
@@ -636,8 +637,8 @@ async def _setup_fleet(db_url: str, nats_url: str, work: Path) -> Fleet:
 
 
 async def _with_repo(db_url: str, fn: Callable[[Any], Awaitable[T]]) -> T:
-    from persistence.db import create_engine
-    from persistence.repository import Repository
+    from fleetlease.persistence.db import create_engine
+    from fleetlease.persistence.repository import Repository
 
     engine = create_engine(db_url, pool_size=4)
     try:
@@ -676,9 +677,9 @@ async def _submit(ops: Any, n: int, batch: int = SUBMIT_BATCH) -> list[str]:
 
 async def throughput_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
     """Agents run N zero-duration tasks at full speed, then at half that rate."""
-    from hostagent.agent import AgentConfig
-    from hostagent.devices import SimulatedDeviceManager
-    from ops.client import OpsClient
+    from fleetlease.hostagent.agent import AgentConfig
+    from fleetlease.hostagent.devices import SimulatedDeviceManager
+    from fleetlease.ops.client import OpsClient
 
     host_ids = [f"tp-{i}" for i in range(opts.hosts)]
     creds = await _add_hosts(fleet.db_url, host_ids)
@@ -876,9 +877,9 @@ class _Lease:
 
 async def lease_cells(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
     """The renewal cell, then the recovery cell on the same control plane."""
-    from ops.client import OpsClient
-    from transport import wire
-    from transport.client import HostClient
+    from fleetlease.ops.client import OpsClient
+    from fleetlease.transport import wire
+    from fleetlease.transport.client import HostClient
 
     k = opts.renew_leases
     if k == 0:
@@ -958,7 +959,7 @@ async def lease_cells(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
                     continue
                 if a is None:
                     continue
-                await retrying(lambda a=a: c.ack(a.task_id, a.attempt, a.lease_token))
+                await retrying(functools.partial(c.ack, a.task_id, a.attempt, a.lease_token))
                 leases.append(_Lease(c, a.task_id, a.attempt, a.lease_token))
                 host["got"] += 1
                 if host["suspect"]:
@@ -1100,7 +1101,7 @@ async def _recovery(
     async def check(repo: Any) -> tuple[int, int]:
         import sqlalchemy as sa
 
-        from persistence.tables import attempts, tasks
+        from fleetlease.persistence.tables import attempts, tasks
 
         async with repo.engine.connect() as conn:
             done = (
@@ -1262,7 +1263,7 @@ async def run(opts: BenchOptions) -> dict[str, Any]:
 
             if opts.floor:
                 _say(opts, "floor: the control plane's core alone")
-                from ops.bench_floor import floor_cell
+                from fleetlease.ops.bench_floor import floor_cell
 
                 try:
                     async with scratch_database(srv.database_url, "floor") as url:

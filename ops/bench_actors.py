@@ -30,12 +30,19 @@ from collections.abc import Sequence
 import psutil
 from sqlalchemy.engine import make_url
 
-from actors.runtime import DEFAULT_STACK_SIZE, ControlPlane
-from persistence.db import async_url, create_engine
-from persistence.errors import Unavailable
-from persistence.migrate import upgrade
-from persistence.model import Claimed, DeviceSnapshot, LeaseTimings, Session, TaskKind, TaskSpec
-from persistence.repository import Repository
+from fleetlease.actors.runtime import DEFAULT_STACK_SIZE, ControlPlane
+from fleetlease.persistence.db import async_url, create_engine
+from fleetlease.persistence.errors import Unavailable
+from fleetlease.persistence.migrate import upgrade
+from fleetlease.persistence.model import (
+    Claimed,
+    DeviceSnapshot,
+    LeaseTimings,
+    Session,
+    TaskKind,
+    TaskSpec,
+)
+from fleetlease.persistence.repository import Repository
 
 
 async def _admin(url: str, sql: str) -> None:

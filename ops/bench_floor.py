@@ -25,8 +25,8 @@ import asyncio
 import time
 from typing import Any
 
-from persistence.clock import SystemClock
-from persistence.model import DeviceSnapshot, LeaseTimings, Outcome, TaskKind, TaskSpec
+from fleetlease.persistence.clock import SystemClock
+from fleetlease.persistence.model import DeviceSnapshot, LeaseTimings, Outcome, TaskKind, TaskSpec
 
 SUBMIT_BATCH = 100
 _CLAIM_WAIT_S = 5.0
@@ -48,10 +48,10 @@ async def floor_cell(
     """Run the floor on the (empty, scratch) database at ``url``; returns its
     figures. ``machine_busy_s`` and ``xact_commit`` are the benchmark's own
     probes (whole-machine busy CPU seconds; the database's commit count)."""
-    from actors.runtime import ControlPlane
-    from persistence.db import create_engine
-    from persistence.migrate import upgrade_engine
-    from persistence.repository import Repository
+    from fleetlease.actors.runtime import ControlPlane
+    from fleetlease.persistence.db import create_engine
+    from fleetlease.persistence.migrate import upgrade_engine
+    from fleetlease.persistence.repository import Repository
 
     timings = LeaseTimings(claim_s=60, ack_s=60, lease_s=60, liveness_s=120)
     clock = SystemClock()

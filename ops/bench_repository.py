@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from persistence.db import create_engine, redact
-from persistence.migrate import upgrade
-from persistence.model import (
+from fleetlease.persistence.db import create_engine, redact
+from fleetlease.persistence.migrate import upgrade
+from fleetlease.persistence.model import (
     Assignment,
     Claimed,
     DeviceSnapshot,
@@ -33,7 +33,7 @@ from persistence.model import (
     TaskKind,
     TaskSpec,
 )
-from persistence.repository import Renewal, Repository
+from fleetlease.persistence.repository import Renewal, Repository
 
 T = TypeVar("T")
 

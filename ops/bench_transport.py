@@ -29,11 +29,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from ops.service import ControlPlaneService
-from persistence.model import LeaseTimings, TaskKind, TaskSpec
-from transport import wire
-from transport.client import HostClient
-from transport.subjects import Channel
+from fleetlease.ops.service import ControlPlaneService
+from fleetlease.persistence.model import LeaseTimings, TaskKind, TaskSpec
+from fleetlease.transport import wire
+from fleetlease.transport.client import HostClient
+from fleetlease.transport.subjects import Channel
 
 
 def pct(samples: list[float], p: float) -> float:
@@ -56,7 +56,7 @@ async def _admin(url: str, sql: str) -> None:
     import asyncpg
     from sqlalchemy.engine import make_url
 
-    from persistence.db import async_url
+    from fleetlease.persistence.db import async_url
 
     u = make_url(async_url(url))
     conn = await asyncpg.connect(
@@ -75,7 +75,7 @@ async def _admin(url: str, sql: str) -> None:
 def _with_database(url: str, name: str) -> str:
     from sqlalchemy.engine import make_url
 
-    from persistence.db import async_url
+    from fleetlease.persistence.db import async_url
 
     return make_url(async_url(url)).set(database=name).render_as_string(hide_password=False)
 
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         "--in-place", action="store_true", help="use the given database, not a scratch one"
     )
     args = p.parse_args(argv)
-    from ops.logging import configure_logging
+    from fleetlease.ops.logging import configure_logging
 
     configure_logging(json=True)
     import logging

@@ -40,12 +40,12 @@ EXIT_BY_CODE = {
 }
 
 COMMAND_MODULES = [
-    "ops.commands.system",
-    "ops.commands.agent",
-    "ops.commands.user",
-    "ops.commands.bench",
-    "ops.commands.web",
-    "ops.commands.soak",
+    "fleetlease.ops.commands.system",
+    "fleetlease.ops.commands.agent",
+    "fleetlease.ops.commands.user",
+    "fleetlease.ops.commands.bench",
+    "fleetlease.ops.commands.web",
+    "fleetlease.ops.commands.soak",
 ]
 
 EPILOG = """exit codes:
@@ -130,6 +130,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     # Run through the package module so that exception classes are the ones the
     # command modules import (``python -m ops.cli`` would load this file twice).
-    from ops.cli import main as _main
+    from fleetlease.ops.cli import main as _main
 
     raise SystemExit(_main())

@@ -16,10 +16,10 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from ops.cli import EXIT_BY_CODE, EXIT_DENIED, EXIT_ERROR, EXIT_UNAVAILABLE, CliError
-from ops.config import Settings
-from transport import wire
-from transport.subjects import Subjects
+from fleetlease.ops.cli import EXIT_BY_CODE, EXIT_DENIED, EXIT_ERROR, EXIT_UNAVAILABLE, CliError
+from fleetlease.ops.config import Settings
+from fleetlease.transport import wire
+from fleetlease.transport.subjects import Subjects
 
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -105,7 +105,7 @@ class OpsClient:
         """The secured-broker connect options of this user, if it is named."""
         if not self.user:
             return {}
-        from transport.broker_auth import BrokerAuthError, user_connect_options
+        from fleetlease.transport.broker_auth import BrokerAuthError, user_connect_options
 
         try:
             return user_connect_options(self.user, self.token, self.subjects)

@@ -27,9 +27,9 @@ import structlog
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ops.embedded import EmbeddedNats, EmbeddedPostgres
-from ops.faultproxy import FaultProxy
-from ops.invariants import (
+from fleetlease.ops.embedded import EmbeddedNats, EmbeddedPostgres
+from fleetlease.ops.faultproxy import FaultProxy
+from fleetlease.ops.invariants import (
     TERMINAL,
     Acknowledged,
     Observer,
@@ -37,9 +37,9 @@ from ops.invariants import (
     check,
     install_reservation_audit,
 )
-from persistence.db import create_engine
-from persistence.errors import Unavailable
-from persistence.model import RetryPolicy, TaskKind, TaskSpec
+from fleetlease.persistence.db import create_engine
+from fleetlease.persistence.errors import Unavailable
+from fleetlease.persistence.model import RetryPolicy, TaskKind, TaskSpec
 
 log = structlog.get_logger("fleetlease.cluster")
 
@@ -275,8 +275,8 @@ class Cluster:
         await self.close()
 
     async def start(self) -> Cluster:
-        from persistence.migrate import upgrade
-        from persistence.repository import Repository
+        from fleetlease.persistence.migrate import upgrade
+        from fleetlease.persistence.repository import Repository
 
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -336,7 +336,7 @@ class Cluster:
     # --- serve ----------------------------------------------------------------------------
     def _serve_proc(self, index: int) -> Proc:
         argv = [
-            sys.executable, "-m", "ops.cli", "serve",
+            sys.executable, "-m", "fleetlease.ops.cli", "serve",
             "--database-url", self.serve_database_url, "--nats-url", self.nats.url,
             "--prefix", self.prefix, "--state-dir", str(self.state_dir / "server"),
             *self.timings.args(),
@@ -419,7 +419,7 @@ class Cluster:
     def _agent_proc(self, host_id: str, devices: int, nats_url: str, **options: Any) -> Proc:
         run = len(self.agents[host_id].runs) if host_id in self.agents else 0
         argv = [
-            sys.executable, "-m", "ops.cli", "agent",
+            sys.executable, "-m", "fleetlease.ops.cli", "agent",
             "--host-id", host_id,
             "--token-file", str(self.state_dir / "tokens" / f"{host_id}.token"),
             "--nats-url", nats_url, "--prefix", self.prefix,
@@ -512,7 +512,7 @@ class Cluster:
     async def states(self, ids: Sequence[str]) -> dict[str, str]:
         import sqlalchemy as sa
 
-        from persistence import tables
+        from fleetlease.persistence import tables
 
         assert self.engine is not None
         engine = self.engine
@@ -535,7 +535,7 @@ class Cluster:
 
     async def view(self, task_id: str) -> dict[str, Any]:
         """``task show`` of one task (attempts included), as the platform admin."""
-        from persistence.model import User
+        from fleetlease.persistence.model import User
 
         admin = User(name="admin", platform_admin=True)
         view: dict[str, Any] = await self.retrying(lambda: self.repo.task_view(task_id, admin))

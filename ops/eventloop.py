@@ -40,7 +40,7 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
         if choice == "uvloop":
             raise EventLoopError(f"{ENV}=uvloop but uvloop is not installed") from None
         return None
-    return uvloop.new_event_loop  # type: ignore[no-any-return]
+    return uvloop.new_event_loop
 
 
 def checked_factory(usage_error: Callable[[str], Exception]) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from persistence import tables
+from fleetlease.persistence import tables
 
 TERMINAL = frozenset({"done", "failed", "cancelled"})
 ACTIVE = frozenset({"assigned", "dispatched", "running"})

@@ -16,13 +16,13 @@ from typing import Any
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from persistence.clock import Clock, SystemClock
-from persistence.db import create_engine
-from persistence.migrate import upgrade_engine
-from persistence.model import LeaseTimings
-from persistence.repository import Repository
-from transport.auth import ServerSecret
-from transport.subjects import Subjects
+from fleetlease.persistence.clock import Clock, SystemClock
+from fleetlease.persistence.db import create_engine
+from fleetlease.persistence.migrate import upgrade_engine
+from fleetlease.persistence.model import LeaseTimings
+from fleetlease.persistence.repository import Repository
+from fleetlease.transport.auth import ServerSecret
+from fleetlease.transport.subjects import Subjects
 
 log = structlog.get_logger("fleetlease.service")
 
@@ -45,7 +45,7 @@ def install_chaos_hook(
     directory = (os.environ if env is None else env).get(CHAOS_DIR_ENV)
     if not directory:
         return None
-    from actors import failpoints
+    from fleetlease.actors import failpoints
 
     arm_file = Path(directory) / "arm"
 
@@ -92,8 +92,8 @@ class ControlPlaneService:
     broker_auth: Any = None
 
     async def start(self) -> ControlPlaneService:
-        from actors.runtime import ControlPlane
-        from transport.server import Server
+        from fleetlease.actors.runtime import ControlPlane
+        from fleetlease.transport.server import Server
 
         try:
             # Every connection is kept (no overflow): SQLAlchemy closes an overflow
@@ -136,7 +136,7 @@ class ControlPlaneService:
 
     def _ops_api(self) -> Any:
         try:
-            from ops.api import OpsApi
+            from fleetlease.ops.api import OpsApi
         except ModuleNotFoundError:
             return None
         assert self.repo is not None
@@ -145,8 +145,8 @@ class ControlPlaneService:
     async def _start_broker_auth(self) -> dict[str, Any]:
         if not self.broker_security:
             return {}
-        from transport.broker_auth import BrokerAuthService, SqlCredentialStore
-        from transport.broker_config import BrokerKeys
+        from fleetlease.transport.broker_auth import BrokerAuthService, SqlCredentialStore
+        from fleetlease.transport.broker_config import BrokerKeys
 
         keys = BrokerKeys.load_or_create(self.state_dir / "broker")
         assert self.engine is not None

@@ -51,9 +51,9 @@ from typing import Any
 import sqlalchemy as sa
 import structlog
 
-from actors import failpoints
-from ops.cluster import Cluster, ClusterError, Timings, wait_for
-from persistence import tables
+from fleetlease.actors import failpoints
+from fleetlease.ops.cluster import Cluster, ClusterError, Timings, wait_for
+from fleetlease.persistence import tables
 
 log = structlog.get_logger("fleetlease.soak")
 

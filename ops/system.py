@@ -14,9 +14,9 @@ from typing import IO, Any
 
 import structlog
 
-from ops.config import ConfigError, Settings, ensure_state_dir, read_context
-from ops.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
-from persistence.db import redact
+from fleetlease.ops.config import ConfigError, Settings, ensure_state_dir, read_context
+from fleetlease.ops.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
+from fleetlease.persistence.db import redact
 
 log = structlog.get_logger("fleetlease.system")
 
@@ -43,7 +43,7 @@ async def check_database(url: str, timeout: float = 5.0) -> None:
     import asyncpg
     from sqlalchemy.engine import make_url
 
-    from persistence.db import async_url
+    from fleetlease.persistence.db import async_url
 
     u = make_url(async_url(url))
     try:
@@ -153,7 +153,7 @@ class Services:
             if s.nats_url or not self.need_nats:
                 self.nats_url = s.nats_url or ""
             else:
-                from transport.broker_config import secure_embedded_args
+                from fleetlease.transport.broker_config import secure_embedded_args
 
                 previous = read_context(s.state_dir).get("nats_port")
                 self.nats = EmbeddedNats(
@@ -179,7 +179,7 @@ class Services:
         server, nothing special on a given one."""
         if not self.broker_security:
             return {}
-        from transport.broker_config import BrokerKeys
+        from fleetlease.transport.broker_config import BrokerKeys
 
         keys = BrokerKeys.load_or_create(self.settings.state_dir / "broker")
         return keys.control_plane_connect_options()

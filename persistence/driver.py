@@ -319,7 +319,7 @@ class DriverConnection:
             sql,
             args,
             orig,
-            dbapi.Error,
+            dbapi.Error,  # type: ignore[union-attr]
             hide_parameters=True,
-            dialect=self.dialect,  # type: ignore[union-attr]
+            dialect=self.dialect,
         )

@@ -10,7 +10,7 @@ from alembic.config import Config
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from persistence.db import async_url, create_engine
+from fleetlease.persistence.db import async_url, create_engine
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 

@@ -50,7 +50,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import asyncpg
 import sqlalchemy as sa
@@ -60,9 +60,9 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from persistence.clock import Clock, SystemClock
-from persistence.driver import DriverConnection
-from persistence.errors import (
+from fleetlease.persistence.clock import Clock, SystemClock
+from fleetlease.persistence.driver import DriverConnection
+from fleetlease.persistence.errors import (
     Conflict,
     Forbidden,
     Gone,
@@ -72,7 +72,7 @@ from persistence.errors import (
     Unauthorized,
     Unavailable,
 )
-from persistence.model import (
+from fleetlease.persistence.model import (
     ACTIVE_STATES,
     TERMINAL_STATES,
     WAITING_STATES,
@@ -97,8 +97,8 @@ from persistence.model import (
     User,
     canonical_uuid,
 )
-from persistence.secrets import hash_secret, matches, new_token, secrets_equal
-from persistence.tables import (
+from fleetlease.persistence.secrets import hash_secret, matches, new_token, secrets_equal
+from fleetlease.persistence.tables import (
     artifacts,
     attempts,
     device_reservations,
@@ -111,7 +111,7 @@ from persistence.tables import (
     users,
 )
 
-log = structlog.get_logger("persistence.repository")
+log = structlog.get_logger("fleetlease.repository")
 
 T = TypeVar("T")
 
@@ -1323,7 +1323,7 @@ class Repository:
                 for k, is_none in keys:
                     if is_none:
                         continue
-                    values = [i[at][k] for i in items]
+                    values = [cast(dict[str, Any], i[at])[k] for i in items]
                     if isinstance(table.c[k].type, sa.JSON):
                         values = [json.dumps(v) for v in values]
                     params[f"v{n}_{prefix}{k}"] = values

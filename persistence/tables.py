@@ -6,7 +6,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 
-from persistence.model import TaskKind, TaskState
+from fleetlease.persistence.model import TaskKind, TaskState
 
 metadata = sa.MetaData(
     naming_convention={

@@ -20,9 +20,9 @@ import pytest
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ops.embedded import EmbeddedNats, EmbeddedPostgres
-from persistence.clock import ManualClock
-from persistence.db import async_url, create_engine
+from fleetlease.ops.embedded import EmbeddedNats, EmbeddedPostgres
+from fleetlease.persistence.clock import ManualClock
+from fleetlease.persistence.db import async_url, create_engine
 
 T = TypeVar("T")
 
@@ -88,7 +88,7 @@ def pg_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def template_database(pg_server_url: str) -> Iterator[str]:
     """A migrated database that every test's database is copied from."""
-    from persistence.migrate import upgrade
+    from fleetlease.persistence.migrate import upgrade
 
     name = f"fl_tpl_{uuid.uuid4().hex[:10]}"
     run_async(lambda: _admin(pg_server_url, f'CREATE DATABASE "{name}"'))

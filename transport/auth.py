@@ -45,10 +45,10 @@ from pathlib import Path
 
 import msgpack
 
-from persistence.clock import Clock, SystemClock
-from persistence.secrets import hash_secret, new_token, secrets_equal
-from transport.subjects import Subjects, validate_token
-from transport.wire import (
+from fleetlease.persistence.clock import Clock, SystemClock
+from fleetlease.persistence.secrets import hash_secret, new_token, secrets_equal
+from fleetlease.transport.subjects import Subjects, validate_token
+from fleetlease.transport.wire import (
     MESSAGE_TYPES,
     NONCE_LEN,
     SESSION_KEY_LEN,

@@ -61,8 +61,8 @@ import nacl.signing
 import nkeys
 import structlog
 
-from persistence.secrets import hash_secret
-from transport.subjects import Subjects, is_valid_token
+from fleetlease.persistence.secrets import hash_secret
+from fleetlease.transport.subjects import Subjects, is_valid_token
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsClient
@@ -373,7 +373,7 @@ class SqlCredentialStore:
     async def host_hash(self, host_id: str) -> bytes | None:
         import sqlalchemy as sa
 
-        from persistence.tables import hosts
+        from fleetlease.persistence.tables import hosts
 
         query = sa.select(hosts.c.credential_hash).where(
             hosts.c.host_id == host_id, hosts.c.revoked_at.is_(None)
@@ -385,7 +385,7 @@ class SqlCredentialStore:
     async def user_hash(self, user: str) -> bytes | None:
         import sqlalchemy as sa
 
-        from persistence.tables import users
+        from fleetlease.persistence.tables import users
 
         query = sa.select(users.c.token_hash).where(users.c.name == user)
         async with self.engine.connect() as conn:

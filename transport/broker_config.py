@@ -51,7 +51,7 @@ from typing import Any
 
 import nkeys
 
-from transport.broker_auth import (
+from fleetlease.transport.broker_auth import (
     AUTH_ACCOUNT,
     FLEET_ACCOUNT,
     SYS_ACCOUNT,
@@ -61,7 +61,7 @@ from transport.broker_auth import (
     public_key,
     seed_from_raw,
 )
-from transport.subjects import Subjects
+from fleetlease.transport.subjects import Subjects
 
 _SEED_FILES = {
     "issuer": nkeys.PREFIX_BYTE_ACCOUNT,
@@ -235,7 +235,7 @@ def fallback_seed(kind: Kind, name: str, stored_hash: bytes) -> str:
 def fallback_connect_options(kind: Kind, name: str, secret: str) -> dict[str, Any]:
     """``connect_options`` for a host (or, with the user's inbox prefix, a user)
     on a fallback-mode broker: nkey challenge-response, nothing secret sent."""
-    from persistence.secrets import hash_secret
+    from fleetlease.persistence.secrets import hash_secret
 
     return {"nkeys_seed_str": fallback_seed(kind, name, hash_secret(secret))}
 
@@ -289,7 +289,7 @@ async def load_fallback_principals(engine: Any) -> list[FallbackPrincipal]:
     """Every unrevoked host and every user, from PostgreSQL."""
     import sqlalchemy as sa
 
-    from persistence.tables import hosts, users
+    from fleetlease.persistence.tables import hosts, users
 
     async with engine.connect() as conn:
         host_rows = await conn.execute(
@@ -308,7 +308,7 @@ def reload_server(pid: int | None = None, *, binary: str | None = None) -> None:
         os.kill(pid, signal.SIGHUP)
         return
     if binary is None:
-        from ops.embedded import nats_server_binary
+        from fleetlease.ops.embedded import nats_server_binary
 
         binary = nats_server_binary()
     subprocess.run([binary, "--signal", "reload"], check=True, capture_output=True, timeout=30)

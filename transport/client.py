@@ -27,11 +27,11 @@ from nats.errors import ConnectionClosedError, MaxPayloadError, NoRespondersErro
 from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 
-from persistence.model import Outcome
-from transport import wire
-from transport.auth import Signer
-from transport.broker_auth import register_proof
-from transport.subjects import Channel, Subjects
+from fleetlease.persistence.model import Outcome
+from fleetlease.transport import wire
+from fleetlease.transport.auth import Signer
+from fleetlease.transport.broker_auth import register_proof
+from fleetlease.transport.subjects import Channel, Subjects
 
 log = structlog.get_logger("fleetlease.client")
 

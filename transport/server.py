@@ -54,16 +54,22 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
 
-from persistence.clock import Clock, SystemClock
-from persistence.errors import Conflict, Invalid, RepositoryError, Unauthorized, Unavailable
-from persistence.model import DeviceSnapshot, JournalEntry, LeaseTimings, Session
-from transport import wire
-from transport.auth import AuthError, Verifier, session_key
-from transport.broker_auth import open_register_proof
-from transport.subjects import Channel, Subjects, queue_group
+from fleetlease.persistence.clock import Clock, SystemClock
+from fleetlease.persistence.errors import (
+    Conflict,
+    Invalid,
+    RepositoryError,
+    Unauthorized,
+    Unavailable,
+)
+from fleetlease.persistence.model import DeviceSnapshot, JournalEntry, LeaseTimings, Session
+from fleetlease.transport import wire
+from fleetlease.transport.auth import AuthError, Verifier, session_key
+from fleetlease.transport.broker_auth import open_register_proof
+from fleetlease.transport.subjects import Channel, Subjects, queue_group
 
 if TYPE_CHECKING:
-    from persistence.repository import Repository
+    from fleetlease.persistence.repository import Repository
 
 log = structlog.get_logger("fleetlease.server")
 
@@ -878,7 +884,7 @@ class Server:
         try:
             result = await store.get(object_name)
         except NotFoundError:
-            from persistence.errors import NotFound
+            from fleetlease.persistence.errors import NotFound
 
             raise NotFound(f"artifact object {object_name!r} is missing", field="name") from None
         return bytes(result.data or b"")

@@ -33,8 +33,8 @@ from typing import Any, ClassVar, Self, TypeVar, overload
 
 import msgpack
 
-from persistence.model import Outcome, TaskKind, TaskState, canonical_uuid
-from transport.subjects import is_valid_token
+from fleetlease.persistence.model import Outcome, TaskKind, TaskState, canonical_uuid
+from fleetlease.transport.subjects import is_valid_token
 
 VERSION = 1
 MAX_MESSAGE_SIZE = 1024 * 1024

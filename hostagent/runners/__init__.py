@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hostagent.runners.base import (
+from fleetlease.hostagent.runners.base import (
     RUNNER_GROUP,
     GuardedRunner,
     RunContext,

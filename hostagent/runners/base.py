@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import structlog
 
-from persistence.model import Outcome, TaskKind
+from fleetlease.persistence.model import Outcome, TaskKind
 
 __all__ = [
     "RUNNER_GROUP",
@@ -231,7 +231,7 @@ def builtin_runners() -> dict[str, RunnerFactory]:
     """The runners shipped with fleetlease, available even when the package is
     run from a checkout without its entry points installed."""
     # Imported here: simulated imports this module.
-    from hostagent.runners.simulated import SimulatedGoalRunner, SimulatedWorkflowRunner
+    from fleetlease.hostagent.runners.simulated import SimulatedGoalRunner, SimulatedWorkflowRunner
 
     return {"sim-goal": SimulatedGoalRunner, "sim-workflow": SimulatedWorkflowRunner}
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from hostagent.runners.base import RunContext, RunOutcome
+from fleetlease.hostagent.runners.base import RunContext, RunOutcome
 
 __all__ = [
     "MAX_ARTIFACT_BYTES",

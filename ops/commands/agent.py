@@ -21,11 +21,11 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from ops import eventloop, interpreter
-from ops.cli import EXIT_DENIED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError
-from ops.config import ConfigError, ensure_state_dir, from_args
-from ops.logging import configure_logging
-from ops.system import AlreadyRunning, single_instance
+from fleetlease.ops import eventloop, interpreter
+from fleetlease.ops.cli import EXIT_DENIED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError
+from fleetlease.ops.config import ConfigError, ensure_state_dir, from_args
+from fleetlease.ops.logging import configure_logging
+from fleetlease.ops.system import AlreadyRunning, single_instance
 
 MAX_RESUMES_ENV = "FLEETLEASE_AGENT_MAX_RESUMES"
 #: The NATS server refuses the host's authorization (revoked on a secured broker).
@@ -123,7 +123,7 @@ def agent_dir(state_dir: Path, host_id: str) -> Path:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     eventloop.checked_factory(lambda message: CliError(message, EXIT_USAGE))
-    from hostagent.agent import (
+    from fleetlease.hostagent.agent import (
         FAILPOINTS_ENV,
         Agent,
         AgentConfig,
@@ -132,8 +132,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         load_credential,
         parse_failpoints,
     )
-    from hostagent.devices import device_manager_from_spec
-    from transport.subjects import validate_token
+    from fleetlease.hostagent.devices import device_manager_from_spec
+    from fleetlease.transport.subjects import validate_token
 
     settings = from_args(args).with_context()
     configure_logging(debug=settings.debug, cache=True)

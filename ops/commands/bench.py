@@ -15,8 +15,8 @@ import signal
 import sys
 from typing import Any
 
-from ops import eventloop, interpreter
-from ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError
+from fleetlease.ops import eventloop, interpreter
+from fleetlease.ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError
 
 
 def register(sub: Any) -> None:
@@ -82,8 +82,8 @@ def register(sub: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ops.bench import BenchError, BenchOptions, run
-    from ops.render import is_tty, print_json
+    from fleetlease.ops.bench import BenchError, BenchOptions, run
+    from fleetlease.ops.render import is_tty, print_json
 
     try:
         renew = args.renew_leases
@@ -166,7 +166,7 @@ def _lat(d: dict[str, Any] | None) -> str:
 def print_report(r: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from ops.render import console
+    from fleetlease.ops.render import console
 
     s = r["setup"]
     table = Table(

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from ops.cli import EXIT_ERROR, EXIT_OK, EXIT_USAGE, CliError
+from fleetlease.ops.cli import EXIT_ERROR, EXIT_OK, EXIT_USAGE, CliError
 
 
 def register(sub: Any) -> None:
@@ -38,7 +38,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    from ops.soak import SoakConfig, run_soak
+    from fleetlease.ops.soak import SoakConfig, run_soak
 
     if not args.minutes > 0:
         raise CliError("--minutes must be positive", EXIT_USAGE)

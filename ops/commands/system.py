@@ -18,12 +18,18 @@ from typing import Any
 
 import structlog
 
-from ops import eventloop, interpreter
-from ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError, add_common
-from ops.config import ensure_state_dir, from_args, write_context
-from ops.logging import configure_logging
-from ops.system import AlreadyRunning, Services, Unreachable, check_database, single_instance
-from persistence.db import redact
+from fleetlease.ops import eventloop, interpreter
+from fleetlease.ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError, add_common
+from fleetlease.ops.config import ensure_state_dir, from_args, write_context
+from fleetlease.ops.logging import configure_logging
+from fleetlease.ops.system import (
+    AlreadyRunning,
+    Services,
+    Unreachable,
+    check_database,
+    single_instance,
+)
+from fleetlease.persistence.db import redact
 
 log = structlog.get_logger("fleetlease.cli")
 
@@ -63,7 +69,7 @@ def register(sub: Any) -> None:
 
 
 def _migrate(url: str) -> None:
-    from persistence.migrate import upgrade
+    from fleetlease.persistence.migrate import upgrade
 
     async def run() -> None:
         await check_database(url)
@@ -229,7 +235,7 @@ class LocalSystem:
         return self.state_dir / "hosts" / f"{LOCAL_HOST}.credential"
 
     async def run(self) -> None:
-        from ops.service import ControlPlaneService
+        from fleetlease.ops.service import ControlPlaneService
 
         self.service = ControlPlaneService(
             database_url=self.services.database_url,
@@ -262,7 +268,7 @@ class LocalSystem:
     async def bootstrap(self) -> None:
         """Create (first start) or find again (later starts) the platform admin, the
         default project and the local host with its credential file."""
-        from persistence.errors import Conflict, Unauthorized
+        from fleetlease.persistence.errors import Conflict, Unauthorized
 
         repo = self.service.repo
         token = _read_secret(self.admin_token_path)
@@ -294,7 +300,7 @@ class LocalSystem:
             await self._local_host()
 
     async def _local_host(self) -> None:
-        from persistence.errors import Conflict, NotFound, Unauthorized
+        from fleetlease.persistence.errors import Conflict, NotFound, Unauthorized
 
         repo = self.service.repo
         credential = _read_secret(self.credential_path)
@@ -335,7 +341,7 @@ class LocalSystem:
         return [
             sys.executable,
             "-m",
-            "ops.cli",
+            "fleetlease.ops.cli",
             "agent",
             "--host-id",
             LOCAL_HOST,
@@ -386,7 +392,7 @@ class LocalSystem:
             await proc.wait()
 
     async def wait_host_live(self) -> dict[str, Any] | None:
-        from ops.api import project_host
+        from fleetlease.ops.api import project_host
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + HOST_LIVE_TIMEOUT_S
@@ -405,9 +411,9 @@ class LocalSystem:
         A port in use is reported, not fatal: the rest of the system is still useful."""
         if self.web is None:
             return
-        from ops.client import OpsError
-        from ops.web.app import WebSettings
-        from ops.web.server import parse_listen, start_console
+        from fleetlease.ops.client import OpsError
+        from fleetlease.ops.web.app import WebSettings
+        from fleetlease.ops.web.server import parse_listen, start_console
 
         try:
             host, port = parse_listen(self.web)
@@ -479,8 +485,8 @@ class LocalSystem:
     async def run_demo(self) -> None:
         """Keep submitting a mix of demo tasks through the user API and show them
         in a live table (or as lines when stdout is not a terminal)."""
-        from ops import render
-        from persistence.errors import RepositoryError
+        from fleetlease.ops import render
+        from fleetlease.persistence.errors import RepositoryError
 
         api = self.service.ops
         token = self.admin_token
@@ -558,7 +564,7 @@ def demo_task(rng: random.Random, n: int = len(_FIRST_ROLLS)) -> dict[str, Any]:
 
 
 def timings_from_args(args: argparse.Namespace) -> Any:
-    from persistence.model import LeaseTimings
+    from fleetlease.persistence.model import LeaseTimings
 
     for name in ("lease_s", "claim_s", "ack_s", "liveness_s"):
         value = getattr(args, name)
@@ -582,7 +588,7 @@ async def run_control_plane(
     on_ready: Any = None,
     heartbeat_s: float = 5.0,
 ) -> None:
-    from ops.service import ControlPlaneService, install_chaos_hook
+    from fleetlease.ops.service import ControlPlaneService, install_chaos_hook
 
     # Off unless FLEETLEASE_CHAOS_DIR is set (soak and fault tests only).
     uninstall_chaos = install_chaos_hook(asyncio.get_running_loop())
@@ -614,7 +620,7 @@ def _usage_error(message: str) -> CliError:
 async def _serve_precheck(settings: Any, timeout: float = 10.0) -> None:
     """Reachability of the given servers, bounded: nats-py keeps retrying a
     refused first connect, so ``check_nats`` alone can wait forever."""
-    from ops.system import check_nats
+    from fleetlease.ops.system import check_nats
 
     if settings.database_url:
         await check_database(settings.database_url)

@@ -31,18 +31,24 @@ from typing import Any
 
 import structlog
 
-from ops import render
-from ops.cli import (
+from fleetlease.ops import render
+from fleetlease.ops.cli import (
     EXIT_DENIED,
     EXIT_OK,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     CliError,
 )
-from ops.client import DEFAULT_TIMEOUT_S, OpsClient, OpsError, normalize_event, task_events
-from ops.config import Settings, from_args, read_context
-from ops.logging import configure_logging
-from transport import wire
+from fleetlease.ops.client import (
+    DEFAULT_TIMEOUT_S,
+    OpsClient,
+    OpsError,
+    normalize_event,
+    task_events,
+)
+from fleetlease.ops.config import Settings, from_args, read_context
+from fleetlease.ops.logging import configure_logging
+from fleetlease.transport import wire
 
 SUBMIT_CHUNK = 100
 SUBMIT_RETRY_PAUSE_S = 0.5
@@ -564,7 +570,7 @@ def cmd_user_add(args: argparse.Namespace) -> int:
     if args.direct or args.database_url:
 
         async def direct(repo: Any) -> dict[str, Any]:
-            from ops.api import Args
+            from fleetlease.ops.api import Args
 
             name = Args({"name": args.name}, ("name",)).name("name", required=True)
             token = await repo.add_user(name, platform_admin=args.platform_admin)
@@ -586,7 +592,7 @@ def cmd_project_add(args: argparse.Namespace) -> int:
     if args.direct or args.database_url:
 
         async def direct(repo: Any) -> dict[str, Any]:
-            from ops.api import Args
+            from fleetlease.ops.api import Args
 
             a = Args(
                 {"name": args.name, "owner": args.owner, "admins": args.admin},
@@ -611,7 +617,13 @@ def cmd_project_add(args: argparse.Namespace) -> int:
 
 def run_direct(args: argparse.Namespace, body: Callable[[Any], Any]) -> Any:
     """Run ``body(repository)`` against the database directly (no token)."""
-    from ops.system import AlreadyRunning, Services, Unreachable, check_database, single_instance
+    from fleetlease.ops.system import (
+        AlreadyRunning,
+        Services,
+        Unreachable,
+        check_database,
+        single_instance,
+    )
 
     settings = from_args(args)
     configure_logging(debug=settings.debug)
@@ -620,9 +632,9 @@ def run_direct(args: argparse.Namespace, body: Callable[[Any], Any]) -> Any:
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
     async def with_repo(url: str) -> Any:
-        from persistence.db import create_engine
-        from persistence.migrate import upgrade_engine
-        from persistence.repository import Repository
+        from fleetlease.persistence.db import create_engine
+        from fleetlease.persistence.migrate import upgrade_engine
+        from fleetlease.persistence.repository import Repository
 
         engine = create_engine(url, pool_size=2, max_overflow=0)
         try:

@@ -11,9 +11,9 @@ import argparse
 import asyncio
 from typing import Any
 
-from ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError
-from ops.client import DEFAULT_TIMEOUT_S
-from ops.config import from_args
+from fleetlease.ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError
+from fleetlease.ops.client import DEFAULT_TIMEOUT_S
+from fleetlease.ops.config import from_args
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
 
@@ -53,9 +53,9 @@ def register(sub: Any) -> None:
 
 
 def cmd_web(args: argparse.Namespace) -> int:
-    from ops.client import OpsError
-    from ops.web.app import WebSettings
-    from ops.web.server import parse_listen, start_console
+    from fleetlease.ops.client import OpsError
+    from fleetlease.ops.web.app import WebSettings
+    from fleetlease.ops.web.server import parse_listen, start_console
 
     settings = from_args(args).with_context()
     if not settings.nats_url:

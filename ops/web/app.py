@@ -38,9 +38,9 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ops.cli import EXIT_DENIED
-from ops.client import DEFAULT_TIMEOUT_S, OpsClient, OpsError, task_events
-from ops.web.sessions import (
+from fleetlease.ops.cli import EXIT_DENIED
+from fleetlease.ops.client import DEFAULT_TIMEOUT_S, OpsClient, OpsError, task_events
+from fleetlease.ops.web.sessions import (
     LOGIN_CSRF_COOKIE,
     SESSION_COOKIE,
     Session,
@@ -50,8 +50,8 @@ from ops.web.sessions import (
     same_origin,
     tokens_match,
 )
-from persistence.model import TaskState
-from transport.subjects import is_valid_token
+from fleetlease.persistence.model import TaskState
+from fleetlease.transport.subjects import is_valid_token
 
 log = structlog.get_logger("fleetlease.web")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from ops.web.app import Console, WebSettings, create_app
+from fleetlease.ops.web.app import Console, WebSettings, create_app
 
 #: Seconds open connections get to finish when the console stops.
 GRACE_S = 5.0

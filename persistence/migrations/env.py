@@ -8,8 +8,8 @@ from alembic import context
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from persistence.db import async_url
-from persistence.tables import metadata
+from fleetlease.persistence.db import async_url
+from fleetlease.persistence.tables import metadata
 
 config = context.config
 target_metadata = metadata

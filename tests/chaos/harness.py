@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from actors.runtime import ControlPlane
-from persistence import tables
-from persistence.errors import Unavailable
-from persistence.model import (
+from fleetlease.actors.runtime import ControlPlane
+from fleetlease.persistence import tables
+from fleetlease.persistence.errors import Unavailable
+from fleetlease.persistence.model import (
     Claimed,
     DeviceSnapshot,
     LeaseStatus,
@@ -27,7 +27,7 @@ from persistence.model import (
     TaskKind,
     TaskSpec,
 )
-from persistence.repository import Repository
+from fleetlease.persistence.repository import Repository
 
 T = TypeVar("T")
 

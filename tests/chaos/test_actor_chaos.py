@@ -12,11 +12,11 @@ import pykka
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from actors import failpoints
-from actors.runtime import ControlPlane
-from persistence.clock import ManualClock
-from persistence.model import LeaseTimings
-from persistence.repository import Repository
+from fleetlease.actors import failpoints
+from fleetlease.actors.runtime import ControlPlane
+from fleetlease.persistence.clock import ManualClock
+from fleetlease.persistence.model import LeaseTimings
+from fleetlease.persistence.repository import Repository
 from tests.chaos.workload import ChaosConfig, run_chaos, verify
 
 TIMINGS = LeaseTimings(claim_s=30, ack_s=15, lease_s=30, liveness_s=1_000_000)

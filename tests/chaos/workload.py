@@ -15,13 +15,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from actors import failpoints
-from actors.messages import Crash
-from actors.runtime import ControlPlane
-from persistence import tables
-from persistence.clock import ManualClock
-from persistence.errors import Conflict, Forbidden, Gone, NotFound, Unavailable
-from persistence.model import (
+from fleetlease.actors import failpoints
+from fleetlease.actors.messages import Crash
+from fleetlease.actors.runtime import ControlPlane
+from fleetlease.persistence import tables
+from fleetlease.persistence.clock import ManualClock
+from fleetlease.persistence.errors import Conflict, Forbidden, Gone, NotFound, Unavailable
+from fleetlease.persistence.model import (
     Claimed,
     DeviceSnapshot,
     Outcome,
@@ -32,7 +32,7 @@ from persistence.model import (
     TaskSpec,
     User,
 )
-from persistence.repository import Repository
+from fleetlease.persistence.repository import Repository
 from tests.chaos.harness import fingerprint
 
 ADMIN = User(name="admin", platform_admin=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ops.cluster import Cluster
+from fleetlease.ops.cluster import Cluster
 
 MakeCluster = Callable[..., Awaitable[Cluster]]
 

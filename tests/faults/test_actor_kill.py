@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors import failpoints
-from ops.cluster import Timings, wait_for
+from fleetlease.actors import failpoints
+from fleetlease.ops.cluster import Timings, wait_for
 from tests.faults.conftest import MakeCluster
 
 pytestmark = pytest.mark.chaos
@@ -57,7 +57,7 @@ async def test_an_actor_crashed_through_the_chaos_hook_is_restarted_and_work_com
 def test_no_chaos_hook_without_the_variable() -> None:
     import asyncio
 
-    from ops.service import install_chaos_hook
+    from fleetlease.ops.service import install_chaos_hook
 
     loop = asyncio.new_event_loop()
     try:

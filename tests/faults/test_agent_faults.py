@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.cluster import Cluster, Timings, wait_for
+from fleetlease.ops.cluster import Cluster, Timings, wait_for
 from tests.faults.conftest import MakeCluster
 
 pytestmark = pytest.mark.chaos

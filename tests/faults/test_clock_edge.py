@@ -15,10 +15,10 @@ from datetime import timedelta
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ops.invariants import Observer, check
-from persistence.clock import ManualClock
-from persistence.errors import Conflict, Gone
-from persistence.model import (
+from fleetlease.ops.invariants import Observer, check
+from fleetlease.persistence.clock import ManualClock
+from fleetlease.persistence.errors import Conflict, Gone
+from fleetlease.persistence.model import (
     DeviceSnapshot,
     LeaseStatus,
     LeaseTimings,
@@ -28,7 +28,7 @@ from persistence.model import (
     TaskKind,
     TaskSpec,
 )
-from persistence.repository import Repository
+from fleetlease.persistence.repository import Repository
 
 ROUNDS = 10
 TIMINGS = LeaseTimings(claim_s=3, ack_s=2, lease_s=2, liveness_s=1_000_000)

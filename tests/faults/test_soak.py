@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from ops.cluster import REPO_ROOT, child_env
+from fleetlease.ops.cluster import REPO_ROOT, child_env
 
 
 async def soak(tmp_path: Path, *args: str, timeout: float) -> dict[str, object]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ops.cli", "soak", "--json", "--dir", str(tmp_path / "soak"), *args,
+        sys.executable, "-m", "fleetlease.ops.cli", "soak", "--json",
+        "--dir", str(tmp_path / "soak"), *args,
         cwd=REPO_ROOT, env=child_env(),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

@@ -11,13 +11,13 @@ from typing import Any
 import pykka
 import pytest
 
-from actors.base import Context, FleetActor
-from actors.bridge import Bridge, Reply
-from actors.messages import Crash, Message, Renew
-from persistence.clock import ManualClock
-from persistence.errors import Invalid, NotFound, Unavailable
-from persistence.model import Session
-from persistence.repository import Repository
+from fleetlease.actors.base import Context, FleetActor
+from fleetlease.actors.bridge import Bridge, Reply
+from fleetlease.actors.messages import Crash, Message, Renew
+from fleetlease.persistence.clock import ManualClock
+from fleetlease.persistence.errors import Invalid, NotFound, Unavailable
+from fleetlease.persistence.model import Session
+from fleetlease.persistence.repository import Repository
 from tests.chaos.harness import wait_until
 
 
@@ -193,7 +193,7 @@ async def test_messages_of_the_wrong_shape_never_crash_an_actor() -> None:
         )
     assert info.value.field == "attempt"
     # A message type this actor does not handle.
-    from actors.messages import Tick
+    from fleetlease.actors.messages import Tick
 
     with pytest.raises(Invalid):
         await ask(ref, lambda r: Tick(reply=r))
@@ -225,7 +225,7 @@ async def test_a_message_to_a_dead_actor_is_a_retryable_error_not_a_hang() -> No
     with pytest.raises(pykka.ActorDeadError):
         ref.tell(Echo(value=1))
     # What the facade does with it:
-    from actors.runtime import ControlPlane
+    from fleetlease.actors.runtime import ControlPlane
 
     cp = ControlPlane.__new__(ControlPlane)
     cp._loop = asyncio.get_running_loop()

@@ -15,13 +15,20 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from actors import failpoints
-from actors.base import LEASE_THREADS
-from actors.messages import Crash, Renew
-from actors.runtime import ControlPlane
-from persistence.clock import ManualClock
-from persistence.errors import Conflict, Gone, Invalid, NotFound, Unauthorized, Unavailable
-from persistence.model import (
+from fleetlease.actors import failpoints
+from fleetlease.actors.base import LEASE_THREADS
+from fleetlease.actors.messages import Crash, Renew
+from fleetlease.actors.runtime import ControlPlane
+from fleetlease.persistence.clock import ManualClock
+from fleetlease.persistence.errors import (
+    Conflict,
+    Gone,
+    Invalid,
+    NotFound,
+    Unauthorized,
+    Unavailable,
+)
+from fleetlease.persistence.model import (
     JournalEntry,
     LeaseTimings,
     Outcome,
@@ -30,7 +37,7 @@ from persistence.model import (
     TaskState,
     User,
 )
-from persistence.repository import Repository
+from fleetlease.persistence.repository import Repository
 from tests.chaos.harness import (
     SimHost,
     attempt_rows,

@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 import pytest
 from structlog.testing import capture_logs
 
-from hostagent.agent import Agent, AgentConfig
-from hostagent.devices import SimulatedDeviceManager
-from hostagent.journal import Journal
-from ops.service import ControlPlaneService
-from persistence.model import LeaseTimings, RetryPolicy, TaskKind, TaskSpec, User
+from fleetlease.hostagent.agent import Agent, AgentConfig
+from fleetlease.hostagent.devices import SimulatedDeviceManager
+from fleetlease.hostagent.journal import Journal
+from fleetlease.ops.service import ControlPlaneService
+from fleetlease.persistence.model import LeaseTimings, RetryPolicy, TaskKind, TaskSpec, User
 
 T = TypeVar("T")
 
@@ -335,7 +335,7 @@ async def test_hanging_task_is_cancelled_by_a_user_cancel(
 async def test_rejected_renewal_stops_the_runner_and_reports_nothing(
     make_system: Callable[..., Awaitable[System]],
 ) -> None:
-    from transport.subjects import Channel
+    from fleetlease.transport.subjects import Channel
 
     system = await make_system(lease_s=1.5)
     running = await system.start_agent("h1", devices=2)
@@ -401,7 +401,7 @@ class _Gate:
 
         class Runner:
             async def run(self, ctx: Any) -> Any:
-                from hostagent.runners import RunOutcome
+                from fleetlease.hostagent.runners import RunOutcome
 
                 gate.running += 1
                 gate.peak = max(gate.peak, gate.running)
@@ -579,7 +579,7 @@ async def _value(v: T) -> T:
 async def test_host_b_with_host_a_credential_is_refused_and_b_is_untouched(
     make_system: Callable[..., Awaitable[System]],
 ) -> None:
-    from hostagent.agent import RegistrationRefused
+    from fleetlease.hostagent.agent import RegistrationRefused
 
     system = await make_system()
     credential_a = await system.add_host("host-a")
@@ -604,7 +604,7 @@ async def test_host_b_with_host_a_credential_is_refused_and_b_is_untouched(
 async def test_superseded_session_reregisters_reconciles_and_finishes_the_attempt(
     make_system: Callable[..., Awaitable[System]],
 ) -> None:
-    from transport.client import HostClient
+    from fleetlease.transport.client import HostClient
 
     system = await make_system(lease_s=3.0)
     running = await system.start_agent("h1")
@@ -701,7 +701,7 @@ async def test_stop_lets_short_attempts_finish_and_hands_back_the_rest(
 
 
 def _spawn_nats(directory: Path, port: int) -> subprocess.Popen[bytes]:
-    from ops.embedded import nats_server_binary
+    from fleetlease.ops.embedded import nats_server_binary
 
     directory.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
@@ -733,7 +733,7 @@ async def _nats_on_port(directory: Path, port: int) -> subprocess.Popen[bytes]:
 async def test_attempt_survives_a_nats_restart_and_the_agent_reregisters(
     db_url: str, subject_prefix: str, state_dir: Path, tmp_path: Path
 ) -> None:
-    from ops.embedded import free_port
+    from fleetlease.ops.embedded import free_port
 
     port = free_port()
     nats = await _nats_on_port(tmp_path / "nats1", port)

@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from ops.embedded import EmbeddedNats
-from transport.broker_config import secure_embedded_args
+from fleetlease.ops.embedded import EmbeddedNats
+from fleetlease.transport.broker_config import secure_embedded_args
 
 pytestmark = pytest.mark.embedded
 
@@ -105,7 +105,7 @@ class Secured:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETLEASE_")}
         env["PYTHONPATH"] = str(REPO)
         argv = [
-            sys.executable, "-m", "ops.cli", "agent", "--host-id", host_id,
+            sys.executable, "-m", "fleetlease.ops.cli", "agent", "--host-id", host_id,
             "--token-file", str(token), "--nats-url", url or self.url,
             "--prefix", self.prefix, "--state-dir", str(self.tmp / "agent-state"),
             "--devices", "simulated:1", "--claim-wait-s", "2", "--resync-jitter-s", "0",
@@ -128,7 +128,7 @@ class Secured:
 
 @pytest.fixture
 async def secured(tmp_path: Path, db_url: str, subject_prefix: str) -> AsyncIterator[Secured]:
-    from ops.service import ControlPlaneService
+    from fleetlease.ops.service import ControlPlaneService
 
     state = tmp_path / "state"
     server = EmbeddedNats(tmp_path / "nats", extra_args=secure_embedded_args(state))

@@ -22,7 +22,9 @@ from typing import Any
 import psutil
 import pytest
 
-from hostagent.journal import Journal, JournalRecord
+from fleetlease.hostagent.journal import Journal, JournalRecord
+from fleetlease.transport.client import HostClient
+from fleetlease.transport.wire import RemoteError
 
 # The fixture is defined in test_agent.py; importing it makes pytest see it here.
 from tests.integration.test_agent import (
@@ -31,8 +33,6 @@ from tests.integration.test_agent import (
     eventually,
     make_system,  # noqa: F401
 )
-from transport.client import HostClient
-from transport.wire import RemoteError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,7 +117,7 @@ class Processes:
         argv = [
             sys.executable,
             "-m",
-            "ops.cli",
+            "fleetlease.ops.cli",
             "agent",
             "--host-id",
             host_id,

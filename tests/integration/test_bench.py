@@ -26,7 +26,7 @@ def test_bench_with_tiny_sizes_prints_a_report_of_every_cell(
         [
             sys.executable,
             "-m",
-            "ops.cli",
+            "fleetlease.ops.cli",
             "bench",
             "--hosts",
             "1",

@@ -27,14 +27,14 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ops.embedded import EmbeddedNats
-from persistence.clock import SystemClock
-from persistence.errors import Unauthorized
-from persistence.model import Claimed, LeaseTimings, Session, TaskKind
-from persistence.secrets import hash_secret, new_token
-from persistence.tables import hosts, users
-from transport import wire
-from transport.broker_auth import (
+from fleetlease.ops.embedded import EmbeddedNats
+from fleetlease.persistence.clock import SystemClock
+from fleetlease.persistence.errors import Unauthorized
+from fleetlease.persistence.model import Claimed, LeaseTimings, Session, TaskKind
+from fleetlease.persistence.secrets import hash_secret, new_token
+from fleetlease.persistence.tables import hosts, users
+from fleetlease.transport import wire
+from fleetlease.transport.broker_auth import (
     BrokerAuthService,
     SqlCredentialStore,
     connect_proof,
@@ -43,7 +43,7 @@ from transport.broker_auth import (
     register_proof,
     user_connect_options,
 )
-from transport.broker_config import (
+from fleetlease.transport.broker_config import (
     BrokerKeys,
     FallbackPrincipal,
     TlsFiles,
@@ -55,8 +55,8 @@ from transport.broker_config import (
     secure_embedded_args,
     write_config,
 )
-from transport.client import HostClient
-from transport.subjects import Subjects
+from fleetlease.transport.client import HostClient
+from fleetlease.transport.subjects import Subjects
 
 pytestmark = pytest.mark.embedded
 
@@ -533,7 +533,7 @@ class MiniControlPlane:
 async def test_a_host_registers_heartbeats_and_claims_through_the_secured_broker(
     broker: Broker,
 ) -> None:
-    from transport.server import Server
+    from fleetlease.transport.server import Server
 
     cred = await add_host(broker.engine, "h1")
     spy_cred = await add_host(broker.engine, "spy")
@@ -614,7 +614,7 @@ async def test_fallback_config_enforces_the_same_permissions_and_reload_revokes(
         await revoke(engine, "h1")
         await render()
         assert server.proc is not None
-        from transport.broker_config import reload_server
+        from fleetlease.transport.broker_config import reload_server
 
         reload_server(server.proc.pid)
         await asyncio.wait_for(h1.disconnected.wait(), WAIT_S)
@@ -636,9 +636,9 @@ async def test_secure_embedded_args_and_service_option_work_together(
     """What `fleetlease up` does with security on: the embedded server runs the
     generated config and the control plane service serves the callout; a host
     with nothing but its id and credential gets in, registers and heartbeats."""
-    pytest.importorskip("actors.runtime")
-    from ops.service import ControlPlaneService
-    from persistence.repository import Repository
+    pytest.importorskip("fleetlease.actors.runtime")
+    from fleetlease.ops.service import ControlPlaneService
+    from fleetlease.persistence.repository import Repository
 
     try:
         await Repository(engine).current_generation("nobody")

@@ -9,7 +9,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from persistence.tables import metadata
+from fleetlease.persistence.tables import metadata
 
 pytestmark = pytest.mark.embedded
 

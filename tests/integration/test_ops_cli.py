@@ -23,13 +23,13 @@ import pytest
 import sqlalchemy as sa
 import structlog
 
-from ops.cli import main
-from ops.service import ControlPlaneService
-from persistence import tables as t
-from persistence.model import LeaseTimings
-from transport import wire
-from transport.auth import ServerSecret
-from transport.client import HostClient
+from fleetlease.ops.cli import main
+from fleetlease.ops.service import ControlPlaneService
+from fleetlease.persistence import tables as t
+from fleetlease.persistence.model import LeaseTimings
+from fleetlease.transport import wire
+from fleetlease.transport.auth import ServerSecret
+from fleetlease.transport.client import HostClient
 
 T = TypeVar("T")
 
@@ -592,7 +592,7 @@ async def test_watch_hides_tasks_the_user_may_not_read(system: System) -> None:
 
 
 def _spec(owner: str = ADMIN, project: str = "default") -> Any:
-    from persistence.model import TaskKind, TaskSpec
+    from fleetlease.persistence.model import TaskKind, TaskSpec
 
     return TaskSpec(kind=TaskKind.GOAL, goal="watched", owner=owner, project=project)
 

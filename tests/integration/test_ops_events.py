@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from ops.api import EventFeed
-from ops.client import OpsClient, task_events
-from ops.service import ControlPlaneService
-from persistence.errors import Invalid
-from persistence.model import TaskKind, TaskSpec
+from fleetlease.ops.api import EventFeed
+from fleetlease.ops.client import OpsClient, task_events
+from fleetlease.ops.service import ControlPlaneService
+from fleetlease.persistence.errors import Invalid
+from fleetlease.persistence.model import TaskKind, TaskSpec
 
 WAIT_S = 20.0
 

@@ -18,11 +18,11 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
-from ops.service import ControlPlaneService
-from transport import wire
-from transport.broker_auth import register_proof
-from transport.client import HostClient
-from transport.subjects import Subjects
+from fleetlease.ops.service import ControlPlaneService
+from fleetlease.transport import wire
+from fleetlease.transport.broker_auth import register_proof
+from fleetlease.transport.client import HostClient
+from fleetlease.transport.subjects import Subjects
 
 WAIT_S = 10.0
 

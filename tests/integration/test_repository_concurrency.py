@@ -9,9 +9,16 @@ from collections import defaultdict
 
 import pytest
 
-from persistence.errors import Conflict
-from persistence.model import Claimed, DeviceSnapshot, Outcome, RetryPolicy, TaskKind, TaskSpec
-from persistence.repository import Renewal
+from fleetlease.persistence.errors import Conflict
+from fleetlease.persistence.model import (
+    Claimed,
+    DeviceSnapshot,
+    Outcome,
+    RetryPolicy,
+    TaskKind,
+    TaskSpec,
+)
+from fleetlease.persistence.repository import Renewal
 from tests.integration.test_repository_support import World, world
 
 __all__ = ["world"]

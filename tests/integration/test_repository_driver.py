@@ -14,12 +14,12 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from persistence import driver
-from persistence.driver import DriverConnection
-from persistence.errors import Unavailable
-from persistence.model import TaskKind, TaskSpec
-from persistence.repository import _is_prebuilt, _prebuilt, _sqlstate
-from persistence.tables import tasks, users
+from fleetlease.persistence import driver
+from fleetlease.persistence.driver import DriverConnection
+from fleetlease.persistence.errors import Unavailable
+from fleetlease.persistence.model import TaskKind, TaskSpec
+from fleetlease.persistence.repository import _is_prebuilt, _prebuilt, _sqlstate
+from fleetlease.persistence.tables import tasks, users
 from tests.integration.test_repository_support import World, world
 
 __all__ = ["world"]

@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from persistence.db import create_engine
-from persistence.errors import Conflict, Forbidden, Gone, NotFound, Unauthorized
-from persistence.model import (
+from fleetlease.persistence.db import create_engine
+from fleetlease.persistence.errors import Conflict, Forbidden, Gone, NotFound, Unauthorized
+from fleetlease.persistence.model import (
     DeviceSnapshot,
     EndReason,
     JournalEntry,
@@ -22,7 +22,7 @@ from persistence.model import (
     Session,
     TaskState,
 )
-from persistence.repository import Repository
+from fleetlease.persistence.repository import Repository
 from tests.integration.test_repository_support import TIMINGS, World, world
 
 __all__ = ["world"]

@@ -12,10 +12,10 @@ from typing import Any
 import sqlalchemy as sa
 from structlog.testing import capture_logs
 
-from actors.groupcommit import RenewBatcher, TransitionBatcher
-from persistence.errors import Conflict, Gone, NotFound, Unauthorized, Unavailable
-from persistence.model import LeaseStatus, Outcome, Session, TaskState
-from persistence.repository import Renewal, Repository, Transition
+from fleetlease.actors.groupcommit import RenewBatcher, TransitionBatcher
+from fleetlease.persistence.errors import Conflict, Gone, NotFound, Unauthorized, Unavailable
+from fleetlease.persistence.model import LeaseStatus, Outcome, Session, TaskState
+from fleetlease.persistence.repository import Renewal, Repository, Transition
 from tests.chaos.harness import wait_until
 from tests.integration.test_repository_support import World, world
 

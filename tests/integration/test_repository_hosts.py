@@ -7,8 +7,15 @@ from datetime import timedelta
 
 import pytest
 
-from persistence.errors import Conflict, Forbidden, Gone, NotFound, Unauthorized
-from persistence.model import DeviceSnapshot, Outcome, Session, TaskKind, TaskSpec, TaskState
+from fleetlease.persistence.errors import Conflict, Forbidden, Gone, NotFound, Unauthorized
+from fleetlease.persistence.model import (
+    DeviceSnapshot,
+    Outcome,
+    Session,
+    TaskKind,
+    TaskSpec,
+    TaskState,
+)
 from tests.integration.test_repository_support import World, world
 
 __all__ = ["world"]
@@ -315,7 +322,7 @@ async def test_progress_counts_as_renewal_and_its_sequence_only_grows(world: Wor
 async def test_renew_many_gives_each_renewal_its_own_outcome(
     world: World,
 ) -> None:
-    from persistence.repository import Renewal
+    from fleetlease.persistence.repository import Renewal
 
     session = await world.host("h1", ["d1", "d2"])
     good = await world.running(session)
@@ -468,8 +475,8 @@ async def test_cancelled_is_a_terminal_state_no_assignment_claim_or_renewal_acce
 async def test_cancellation_request_survives_a_restart_and_reaches_the_next_renewal(
     world: World, db_url: str
 ) -> None:
-    from persistence.db import create_engine
-    from persistence.repository import Repository
+    from fleetlease.persistence.db import create_engine
+    from fleetlease.persistence.repository import Repository
     from tests.integration.test_repository_support import TIMINGS
 
     session = await world.host("h1", ["d1"])

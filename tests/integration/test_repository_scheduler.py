@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from persistence import repository
-from persistence.errors import Conflict, Gone, Invalid, Unauthorized
-from persistence.model import DeviceSnapshot, EndReason, Outcome, Session, TaskState
-from persistence.secrets import hash_secret
+from fleetlease.persistence import repository
+from fleetlease.persistence.errors import Conflict, Gone, Invalid, Unauthorized
+from fleetlease.persistence.model import DeviceSnapshot, EndReason, Outcome, Session, TaskState
+from fleetlease.persistence.secrets import hash_secret
 from tests.integration.test_repository_support import World, world
 
 __all__ = ["world"]

@@ -31,10 +31,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from persistence.clock import ManualClock
-from persistence.db import create_engine
-from persistence.errors import RepositoryError
-from persistence.model import (
+from fleetlease.persistence.clock import ManualClock
+from fleetlease.persistence.db import create_engine
+from fleetlease.persistence.errors import RepositoryError
+from fleetlease.persistence.model import (
     DeviceSnapshot,
     JournalEntry,
     Outcome,
@@ -44,7 +44,7 @@ from persistence.model import (
     TaskSpec,
     User,
 )
-from persistence.repository import Repository
+from fleetlease.persistence.repository import Repository
 from tests.integration.test_repository_support import TIMINGS
 
 pytestmark = pytest.mark.embedded

@@ -16,8 +16,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from persistence.clock import ManualClock
-from persistence.model import (
+from fleetlease.persistence.clock import ManualClock
+from fleetlease.persistence.model import (
     Assignment,
     Claimed,
     DeviceSnapshot,
@@ -28,7 +28,7 @@ from persistence.model import (
     TaskSpec,
     User,
 )
-from persistence.repository import Repository
+from fleetlease.persistence.repository import Repository
 
 TIMINGS = LeaseTimings(claim_s=30, ack_s=15, lease_s=30, liveness_s=30)
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from persistence.errors import Conflict, Forbidden, Invalid, NotFound
-from persistence.model import DeviceSnapshot, RetryPolicy, TaskKind, TaskSpec, User
+from fleetlease.persistence.errors import Conflict, Forbidden, Invalid, NotFound
+from fleetlease.persistence.model import DeviceSnapshot, RetryPolicy, TaskKind, TaskSpec, User
 from tests.integration.test_repository_support import World, world
 
 __all__ = ["world"]
@@ -286,9 +286,9 @@ async def test_bad_host_and_user_names_are_invalid(world: World) -> None:
 async def test_an_unreachable_database_is_unavailable_with_the_driver_error_as_cause(
     world: World,
 ) -> None:
-    from persistence.db import create_engine
-    from persistence.errors import Unavailable
-    from persistence.repository import Repository
+    from fleetlease.persistence.db import create_engine
+    from fleetlease.persistence.errors import Unavailable
+    from fleetlease.persistence.repository import Repository
 
     engine = create_engine("postgresql://postgres@127.0.0.1:1/nowhere", pool_size=1)
     try:
@@ -303,7 +303,7 @@ async def test_an_unreachable_database_is_unavailable_with_the_driver_error_as_c
 async def test_a_connection_killed_mid_transaction_is_unavailable(world: World) -> None:
     from sqlalchemy import text
 
-    from persistence.errors import Unavailable
+    from fleetlease.persistence.errors import Unavailable
 
     session = await world.host("h1", ["d1"])
     c = await world.running(session)

@@ -17,12 +17,12 @@ from pathlib import Path
 import nats
 import pytest
 
-from persistence.db import create_engine
-from persistence.model import TaskKind, TaskSpec, User
-from persistence.repository import Repository
-from transport import wire
-from transport.client import HostClient
-from transport.subjects import Subjects
+from fleetlease.persistence.db import create_engine
+from fleetlease.persistence.model import TaskKind, TaskSpec, User
+from fleetlease.persistence.repository import Repository
+from fleetlease.transport import wire
+from fleetlease.transport.client import HostClient
+from fleetlease.transport.subjects import Subjects
 
 pytestmark = pytest.mark.embedded
 
@@ -88,7 +88,7 @@ async def spawn(*args: str) -> Serve:
     for var in ("FLEETLEASE_DATABASE_URL", "FLEETLEASE_NATS_URL", "FLEETLEASE_PREFIX"):
         env.pop(var, None)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ops.cli", "serve", *args,
+        sys.executable, "-m", "fleetlease.ops.cli", "serve", *args,
         cwd=REPO_ROOT, env=env,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,

@@ -27,16 +27,16 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NatsClient
 
-from ops.service import ControlPlaneService
-from persistence.clock import ManualClock
-from persistence.errors import NotFound
-from persistence.model import LeaseTimings, TaskKind, TaskSpec, User
-from transport import wire
-from transport.auth import Signer
-from transport.client import HostClient
-from transport.server import HOST_VERBS as VERB_TYPES
-from transport.server import Server
-from transport.subjects import HOST_VERBS, Channel, Subjects
+from fleetlease.ops.service import ControlPlaneService
+from fleetlease.persistence.clock import ManualClock
+from fleetlease.persistence.errors import NotFound
+from fleetlease.persistence.model import LeaseTimings, TaskKind, TaskSpec, User
+from fleetlease.transport import wire
+from fleetlease.transport.auth import Signer
+from fleetlease.transport.client import HostClient
+from fleetlease.transport.server import HOST_VERBS as VERB_TYPES
+from fleetlease.transport.server import Server
+from fleetlease.transport.subjects import HOST_VERBS, Channel, Subjects
 
 pytestmark = pytest.mark.embedded
 

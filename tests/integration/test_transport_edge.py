@@ -26,14 +26,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NatsClient
 
-from ops.embedded import EmbeddedNats
-from persistence.clock import ManualClock, SystemClock
-from persistence.errors import Conflict, NotFound, Unauthorized
-from persistence.model import LeaseStatus, LeaseTimings, Session, TaskState
-from transport import wire
-from transport.auth import Signer, session_key
-from transport.server import ChannelConfig, Server
-from transport.subjects import HOST_VERBS, Channel, Subjects
+from fleetlease.ops.embedded import EmbeddedNats
+from fleetlease.persistence.clock import ManualClock, SystemClock
+from fleetlease.persistence.errors import Conflict, NotFound, Unauthorized
+from fleetlease.persistence.model import LeaseStatus, LeaseTimings, Session, TaskState
+from fleetlease.transport import wire
+from fleetlease.transport.auth import Signer, session_key
+from fleetlease.transport.server import ChannelConfig, Server
+from fleetlease.transport.subjects import HOST_VERBS, Channel, Subjects
 
 pytestmark = pytest.mark.embedded
 

@@ -23,6 +23,10 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
+from fleetlease.transport import wire
+from fleetlease.transport.broker_auth import host_connect_options
+from fleetlease.transport.broker_config import BrokerKeys
+from fleetlease.transport.subjects import Subjects
 from tests.integration.test_up_system import (  # noqa: F401 - `up` is a fixture
     ENV_VARS,
     REPO,
@@ -32,10 +36,6 @@ from tests.integration.test_up_system import (  # noqa: F401 - `up` is a fixture
     up,
     wait_for,
 )
-from transport import wire
-from transport.broker_auth import host_connect_options
-from transport.broker_config import BrokerKeys
-from transport.subjects import Subjects
 
 pytestmark = [pytest.mark.embedded, pytest.mark.timeout(600)]
 
@@ -120,7 +120,7 @@ def test_up_is_secured_and_needs_no_flags(
         with open(tmp_path / "h2.log", "ab") as log:
             return subprocess.Popen(
                 [
-                    sys.executable, "-m", "ops.cli", "agent", "--host-id", "h2",
+                    sys.executable, "-m", "fleetlease.ops.cli", "agent", "--host-id", "h2",
                     "--token-file", str(cred_file), "--devices", "simulated:1",
                     "--state-dir", str(up.state_dir),
                 ],
@@ -185,7 +185,7 @@ def test_up_is_secured_and_needs_no_flags(
     watch_env = _env() | {"FLEETLEASE_USER": "bob", "FLEETLEASE_TOKEN": bob}
     watcher = subprocess.Popen(
         [
-            sys.executable, "-m", "ops.cli", "watch", "--json", "--max-events", "3",
+            sys.executable, "-m", "fleetlease.ops.cli", "watch", "--json", "--max-events", "3",
             "--for", "120", "--state-dir", str(up.state_dir),
         ],
         cwd=REPO,

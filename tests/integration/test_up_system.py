@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from ops.cli import main
+from fleetlease.ops.cli import main
 
 pytestmark = [pytest.mark.embedded, pytest.mark.timeout(600)]
 
@@ -74,7 +74,8 @@ class Up:
 
     def start(self, *, demo: bool = False) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
-        argv = [sys.executable, "-m", "ops.cli", "up", "--state-dir", str(self.state_dir)]
+        argv = [sys.executable, "-m", "fleetlease.ops.cli", "up"]
+        argv += ["--state-dir", str(self.state_dir)]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [*argv, "--demo"] if demo else argv,
@@ -234,7 +235,7 @@ def test_a_second_up_on_the_same_state_dir_refuses_to_start(up: Up) -> None:
     up.wait_ready()
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     second = subprocess.run(
-        [sys.executable, "-m", "ops.cli", "up", "--state-dir", str(up.state_dir)],
+        [sys.executable, "-m", "fleetlease.ops.cli", "up", "--state-dir", str(up.state_dir)],
         cwd=REPO,
         env=env,
         capture_output=True,

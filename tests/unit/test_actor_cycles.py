@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from actors.lease import LeaseActor
-from persistence.model import Assignment
+from fleetlease.actors.lease import LeaseActor
+from fleetlease.persistence.model import Assignment
 
 
 class _Ctx:

@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from actors.base import ActorThreads
+from fleetlease.actors.base import ActorThreads
 
 
 def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:

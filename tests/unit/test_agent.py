@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from hostagent.agent import (
+from fleetlease.hostagent.agent import (
     FAILPOINTS,
     Agent,
     AgentConfig,
@@ -20,7 +20,7 @@ from hostagent.agent import (
     load_credential,
     parse_failpoints,
 )
-from hostagent.devices import SimulatedDeviceManager
+from fleetlease.hostagent.devices import SimulatedDeviceManager
 
 CREDENTIAL = "ab" * 32
 
@@ -212,9 +212,9 @@ def test_load_credential_strips_whitespace_and_never_echoes_bad_content(tmp_path
 
 
 async def test_runner_logs_beyond_the_queue_drop_the_oldest_and_never_block(tmp_path: Path) -> None:
-    from hostagent.agent import _Attempt
-    from hostagent.journal import JournalRecord
-    from persistence.model import TaskKind
+    from fleetlease.hostagent.agent import _Attempt
+    from fleetlease.hostagent.journal import JournalRecord
+    from fleetlease.persistence.model import TaskKind
 
     agent = Agent(config(tmp_path, log_queue_lines=5), SimulatedDeviceManager(1))
     record = JournalRecord(

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from persistence.clock import ManualClock
-from persistence.model import Outcome
-from transport.auth import (
+from fleetlease.persistence.clock import ManualClock
+from fleetlease.persistence.model import Outcome
+from fleetlease.transport.auth import (
     AuthError,
     ServerSecret,
     ServerSecretError,
@@ -22,8 +22,8 @@ from transport.auth import (
     session_key,
     sign,
 )
-from transport.subjects import Subjects
-from transport.wire import (
+from fleetlease.transport.subjects import Subjects
+from fleetlease.transport.wire import (
     Ack,
     ArtifactChunk,
     Envelope,

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from hostagent.devices import (
+from fleetlease.hostagent.devices import (
     AdbDeviceManager,
     DeviceInfo,
     DeviceManager,

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from ops import eventloop
+from fleetlease.ops import eventloop
 
 
 async def _which() -> str:

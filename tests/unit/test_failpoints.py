@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from actors import failpoints
-from actors.failpoints import FailPointError
+from fleetlease.actors import failpoints
+from fleetlease.actors.failpoints import FailPointError
 
 P = failpoints.LEASE_AFTER_COMMIT_BEFORE_REPLY
 

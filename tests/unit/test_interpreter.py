@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from ops.interpreter import GC_THRESHOLDS, SWITCH_INTERVAL_S
+from fleetlease.ops.interpreter import GC_THRESHOLDS, SWITCH_INTERVAL_S
 
 _PROBE = """
 import gc, json, sys
@@ -18,7 +18,7 @@ def seen():
         "switch": sys.getswitchinterval(),
     }
 before = seen()
-from ops import interpreter
+from fleetlease.ops import interpreter
 interpreter.tune()
 after = seen()
 print(json.dumps({"before": before, "after": after}))

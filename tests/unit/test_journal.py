@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from hostagent.journal import (
+from fleetlease.hostagent.journal import (
     EntryState,
     Journal,
     JournalError,
@@ -20,7 +20,7 @@ from hostagent.journal import (
     UnknownEntry,
     result_fingerprint,
 )
-from persistence.model import Outcome, TaskKind
+from fleetlease.persistence.model import Outcome, TaskKind
 
 TOKEN = "lease-token-0123456789abcdef-secret"
 T0 = datetime(2030, 1, 1, tzinfo=UTC)

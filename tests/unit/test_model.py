@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from persistence.model import (
+from fleetlease.persistence.model import (
     ACTIVE_STATES,
     TERMINAL_STATES,
     TRANSITIONS,
@@ -112,7 +112,7 @@ def test_raw_lease_tokens_never_appear_in_a_records_repr(record: str) -> None:
 
 
 def test_canonical_uuid_returns_canonical_input_as_is_and_normalizes_the_rest() -> None:
-    from persistence.model import canonical_uuid
+    from fleetlease.persistence.model import canonical_uuid
 
     c = "0b0e5c52-9a2e-4f58-a7a3-0e0f1b8e2d6a"
     assert canonical_uuid(c) is c

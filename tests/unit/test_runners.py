@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from hostagent.runners import (
+from fleetlease.hostagent.runners import (
     RunContext,
     RunOutcome,
     TaskRunner,
@@ -20,9 +20,9 @@ from hostagent.runners import (
     load_runners,
     run_safely,
 )
-from hostagent.runners import base as runners_base
-from hostagent.runners.simulated import SimulatedGoalRunner, SimulatedWorkflowRunner
-from persistence.model import Outcome, TaskKind
+from fleetlease.hostagent.runners import base as runners_base
+from fleetlease.hostagent.runners.simulated import SimulatedGoalRunner, SimulatedWorkflowRunner
+from fleetlease.persistence.model import Outcome, TaskKind
 
 # A guard against a hung test, not a timing assertion.
 GUARD_S = 10.0
@@ -402,10 +402,10 @@ def test_load_runners_merges_entry_points_and_skips_broken_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     eps = [
-        _ep("sim-goal", "hostagent.runners.simulated:SimulatedGoalRunner"),
-        _ep("custom", "hostagent.runners.simulated:SimulatedWorkflowRunner"),
-        _ep("missing", "hostagent.no_such_module:Runner"),
-        _ep("not-callable", "hostagent.runners.simulated:MAX_ARTIFACT_BYTES"),
+        _ep("sim-goal", "fleetlease.hostagent.runners.simulated:SimulatedGoalRunner"),
+        _ep("custom", "fleetlease.hostagent.runners.simulated:SimulatedWorkflowRunner"),
+        _ep("missing", "fleetlease.hostagent.no_such_module:Runner"),
+        _ep("not-callable", "fleetlease.hostagent.runners.simulated:MAX_ARTIFACT_BYTES"),
     ]
     monkeypatch.setattr(runners_base, "entry_points", lambda group: eps)
 

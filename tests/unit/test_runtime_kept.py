@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.runtime import _Kept
-from persistence.model import Assignment
+from fleetlease.actors.runtime import _Kept
+from fleetlease.persistence.model import Assignment
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from transport.subjects import (
+from fleetlease.transport.subjects import (
     HOST_VERBS,
     OPS_VERBS,
     QUEUE_CONTROL,

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from persistence.model import Outcome, TaskKind, TaskState
-from transport import wire
-from transport.wire import (
+from fleetlease.persistence.model import Outcome, TaskKind, TaskState
+from fleetlease.transport import wire
+from fleetlease.transport.wire import (
     MESSAGE_TYPES,
     Ack,
     ArtifactChunk,

@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from hostagent.agent import Agent
-from ops.embedded import EmbeddedNats
-from ops.service import ControlPlaneService
-from ops.web.app import WebSettings
-from ops.web.server import RunningConsole, start_console
+from fleetlease.hostagent.agent import Agent
+from fleetlease.ops.embedded import EmbeddedNats
+from fleetlease.ops.service import ControlPlaneService
+from fleetlease.ops.web.app import WebSettings
+from fleetlease.ops.web.server import RunningConsole, start_console
+from fleetlease.transport.broker_config import secure_embedded_args
 from tests.integration.test_agent import RunningAgent
 from tests.integration.test_agent import System as AgentHarness
 from tests.integration.test_ops_cli import System
 from tests.integration.test_ops_cli import host as host
 from tests.integration.test_ops_cli import system as system
-from transport.broker_config import secure_embedded_args
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "web"
 

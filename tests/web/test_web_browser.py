@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from hostagent.agent import Agent
-from ops.web.server import RunningConsole
+from fleetlease.hostagent.agent import Agent
+from fleetlease.ops.web.server import RunningConsole
 from tests.integration.test_ops_cli import System
 
 playwright_api = pytest.importorskip(

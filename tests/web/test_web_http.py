@@ -16,11 +16,11 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from ops.web.app import SECURITY_HEADERS, Console, WebSettings, create_app
-from ops.web.server import RunningConsole, start_console
-from ops.web.sessions import SESSION_COOKIE
-from persistence import tables as t
-from persistence.model import TaskKind, TaskSpec
+from fleetlease.ops.web.app import SECURITY_HEADERS, Console, WebSettings, create_app
+from fleetlease.ops.web.server import RunningConsole, start_console
+from fleetlease.ops.web.sessions import SESSION_COOKIE
+from fleetlease.persistence import tables as t
+from fleetlease.persistence.model import TaskKind, TaskSpec
 from tests.integration.test_ops_cli import SimHost, System, _forms
 from tests.web.conftest import SecureSystem
 from tests.web.support import WebUser
@@ -458,7 +458,7 @@ async def test_no_response_contains_a_secret_a_hash_or_a_host_path(
         secrets |= _forms(bytes(h))
     for (h,) in await system.rows(sa.select(t.users.c.token_hash)):
         secrets |= _forms(bytes(h))
-    from transport.auth import ServerSecret
+    from fleetlease.transport.auth import ServerSecret
 
     secrets |= _forms(ServerSecret.load_or_create(state_dir / "server.secret").value)
     paths = {str(state_dir), str(state_dir.parent), str(Path.home()), system.nats_url}
