@@ -285,9 +285,8 @@ class ClosableInbox:
 
 
 # ``threading.Thread.start`` waits until the new thread runs, and it runs only
-# once it gets the GIL, which a busy event loop holds: about 15 ms per start with
-# a busy loop (64 starts: 950 ms), all of it spent by the Scheduler between an
-# assignment's commit and waking the host. Lease actors are started on these
+# once it gets the GIL, which a busy event loop holds: the Scheduler would spend
+# that wait between an assignment's commit and waking the host. Lease actors are started on these
 # threads instead, several at once; messages sent meanwhile wait in the inbox.
 _STARTERS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="actor-start")
 

@@ -21,10 +21,9 @@ Decisions documented here:
 * Renewals and cancel polls do not pass through the Lease actor: they go
   straight to the ``RenewBatcher`` on the loop (written through, committed
   before the reply, fenced by the repository like every message). A renewal
-  changes nothing the actor keeps but the deadline in its cache, and the two
-  cross-thread hops per renewal were most of its cost with thousands of
-  actors (0.95 -> 0.24 ms of control-plane CPU per renewal in ``fleetlease
-  bench``). The actor is told (``Renewed``) when an answer does say something
+  changes nothing the actor keeps but the deadline in its cache, and two
+  cross-thread hops per renewal would be most of its cost with thousands of
+  actors. The actor is told (``Renewed``) when an answer does say something
   it must act on: a pending cancel.
 
 * ``cancel_poll`` is a fenced renewal: it extends the lease exactly like
@@ -117,9 +116,9 @@ _KNOWN_EMPTY_S = 1.0
 _UNHANDED_MAX = 1024
 #: New assignments one long-poll holds at most (it claims one; the others are
 #: its fallbacks if that claim loses a race). Past it they are kept for the
-#: host's next polls: a host given a thousand assignments at once had them all
-#: spread over its few parked polls, and every claim then sorted and handed back
-#: hundreds of them (12 ms of the loop per claim).
+#: host's next polls: otherwise a host given a thousand assignments at once has
+#: them spread over its few parked polls, and every claim sorts and hands back
+#: hundreds of them.
 _HINTS_PER_POLL = 2
 
 
@@ -975,9 +974,8 @@ class ControlPlane:
 
         An :class:`Assignment` (new, from the Scheduler) is handed to one
         long-poll that may claim its device, which claims it without reading the
-        pending assignments first: waking every poll of the host made each of
-        them read, for one assignment that only one of them can take (an agent
-        keeps one poll per idle device), and the read was ~2 ms per dispatch. An
+        pending assignments first: waking every poll of the host would make each
+        of them read, for one assignment that only one of them can take. An
         item ``(host_id, device_id)`` wakes the polls that may claim that device,
         a host id every poll of the host; those read."""
         for item in hosts:

@@ -4,8 +4,8 @@ uvloop (libuv, from the authors of asyncpg) when it is installed, the standard
 asyncio loop otherwise or when ``FLEETLEASE_EVENT_LOOP=asyncio``. Every host
 message is a few turns of the loop (its NATS read, the handler's task, the
 commit's wake-up, the reply's flush); with spread-out traffic each turn is paid
-on its own, and in ``fleetlease bench``'s renewal cell the loop's own
-machinery was a large share of the control plane's CPU. The code does not
+on its own, so the loop's own machinery is a visible share of the control
+plane's CPU (``docs/performance.md``). The code does not
 depend on which loop runs it: tests run on asyncio's, the processes they
 start on this one.
 """

@@ -462,8 +462,8 @@ async def test_many_assignments_at_once_are_not_passed_from_poll_to_poll(
 ) -> None:
     """A host given many assignments at once: each parked poll holds a couple,
     the rest wait for the host's next polls, and each is handed about once.
-    (Spread over the parked polls, each claim handed back all the others it
-    held: quadratic, 12 ms of the loop per claim with a thousand.)"""
+    (Spread over the parked polls, each claim would hand back all the others
+    it held: quadratic in the number of assignments.)"""
     cp = counting
     n = 40
     host = await SimHost.create(cp, cp.repo, "h1", n_devices=n)

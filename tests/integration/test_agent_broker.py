@@ -1,4 +1,4 @@
-"""``fleetlease agent`` against a secured broker (issue 11) as a real process:
+"""``fleetlease agent`` against a secured broker as a real process:
 a host revoked while its agent runs is kicked by the control plane, and the
 auth callout refuses its reconnects ("Authorization Violation"); the agent
 must then exit with one clear line and its own exit code (7) instead of

@@ -1,6 +1,6 @@
 """``fleetlease bench`` with tiny sizes, as a subprocess: the JSON report has the
 documented shape. The figures themselves are never checked (no timing in tests);
-they go into the README."""
+they go into docs/performance.md."""
 
 from __future__ import annotations
 

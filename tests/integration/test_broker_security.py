@@ -1,4 +1,4 @@
-"""Broker-level isolation (issue 11) against a real nats-server 2.15 started by
+"""Broker-level isolation against a real nats-server 2.15 started by
 each test with the generated secure config, the control plane's auth callout
 (``transport/broker_auth.py``) and credentials read from a real PostgreSQL.
 

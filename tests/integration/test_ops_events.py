@@ -1,4 +1,4 @@
-"""The ``events`` ops verb (issue 11, item 5): the live feed of task events a
+"""The ``events`` ops verb: the live feed of task events a
 user may read, served by the control plane from a bounded ring and filtered by
 the user's roles on the server, so no client needs the shared event subject.
 Real PostgreSQL, NATS and control plane."""

@@ -1,4 +1,4 @@
-"""Registration without the credential on the wire (issue 11, item 3), against a
+"""Registration without the credential on the wire, against a
 real PostgreSQL, nats-server and control plane: the agent's Register carries a
 proof bound to the host, a timestamp and a fresh nonce; the server opens it with
 the stored hash and refuses replays, stale timestamps, wrong proofs, unknown

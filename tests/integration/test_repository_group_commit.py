@@ -330,8 +330,8 @@ async def test_two_batches_naming_the_same_tasks_twice_lock_them_in_one_order(
     """Two concurrent batches over the same two tasks, each naming a different
     one of them twice. A batch locks every task it names in its first read, in
     task id order, so neither holds a row the other wants while waiting for
-    one. (A task named twice used to be locked only when its turn came: these
-    two batches then deadlocked, and PostgreSQL aborted one.)"""
+    one. (Were a task named twice locked only when its turn came, these two
+    batches would deadlock, and PostgreSQL would abort one.)"""
     h1 = await world.host("h1", ["d1", "d2"])
     lo, hi = sorted([await world.running(h1) for _ in range(2)], key=lambda c: c.task_id)
     repo = world.repo

@@ -1,4 +1,4 @@
-"""``fleetlease up`` runs a secured broker (issue 11, item 4), and nothing but the
+"""``fleetlease up`` runs a secured broker, and nothing but the
 state dir is needed to use it: the local agent, a second agent started by hand
 and the CLI all connect as themselves; an anonymous client is refused; the
 Register a host sends carries no credential; ``host revoke`` kicks the host's

@@ -68,7 +68,7 @@ def artifacts_dir() -> Path:
 
 @dataclass
 class SecureSystem:
-    """A control plane behind a secured broker (issue 11), as ``fleetlease up``
+    """A control plane behind a secured broker, as ``fleetlease up``
     runs it: every NATS client must connect as itself."""
 
     service: ControlPlaneService

@@ -2,7 +2,6 @@
 
 Revision ID: 0001
 Revises:
-Create Date: 2026-12-02 12:00:16.294550
 """
 
 from __future__ import annotations

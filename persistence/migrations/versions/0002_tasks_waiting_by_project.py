@@ -6,7 +6,6 @@ instead of ranking every waiting task on each assignment.
 
 Revision ID: 0002
 Revises: 0001
-Create Date: 2026-12-02 16:00:00
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ the key is unique per owner.
 
 Revision ID: 0003
 Revises: 0002
-Create Date: 2026-12-03 13:30:00
 """
 
 from __future__ import annotations
