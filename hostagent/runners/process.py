@@ -1,0 +1,174 @@
+"""One command as a process group: streamed output, a timeout, and a stop that
+leaves no process of the group behind.
+
+The command runs through ``/bin/sh -c`` in a new session (its own process
+group). Its stdout and stderr are read as they are written and handed over
+line by line. Stopping (cancel, lease lost, timeout, shutdown) sends SIGTERM to
+the whole group, then SIGKILL after a grace period; when the command ends on
+its own, whatever it left running in its group is ended the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["MAX_LINE_BYTES", "ProcessResult", "end_process_group", "run_process_group"]
+
+#: A longer line is cut here (and the rest of it dropped up to its newline).
+MAX_LINE_BYTES = 16 * 1024
+_READ_CHUNK = 64 * 1024
+TAIL_LINES = 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessResult:
+    """How the command ended: ``exit_code`` (negative: killed by that signal),
+    or ``stopped`` with why (``timeout``, ``cancelled``), and its last lines."""
+
+    exit_code: int | None
+    stopped: str | None
+    tail: tuple[str, ...]
+
+
+async def end_process_group(pgid: int, grace_s: float) -> None:
+    """SIGTERM to the group, SIGKILL to what is left after ``grace_s``."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while loop.time() < deadline:
+        if not _group_alive(pgid):
+            return
+        await asyncio.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def _pump(
+    stream: asyncio.StreamReader, on_line: Callable[[str], None], tail: deque[str]
+) -> None:
+    buf = b""
+    dropping = False
+    while True:
+        chunk = await stream.read(_READ_CHUNK)
+        if not chunk:
+            break
+        buf += chunk
+        while True:
+            nl = buf.find(b"\n")
+            if nl < 0:
+                break
+            line, buf = buf[:nl], buf[nl + 1 :]
+            if dropping:
+                dropping = False
+                continue
+            _emit(line, on_line, tail)
+        if len(buf) > MAX_LINE_BYTES:
+            if not dropping:
+                _emit(buf[:MAX_LINE_BYTES], on_line, tail)
+            dropping = True
+            buf = b""
+    if buf and not dropping:
+        _emit(buf, on_line, tail)
+
+
+def _emit(raw: bytes, on_line: Callable[[str], None], tail: deque[str]) -> None:
+    text = raw[:MAX_LINE_BYTES].decode("utf-8", errors="replace").rstrip("\r")
+    tail.append(text)
+    on_line(text)
+
+
+async def run_process_group(
+    command: str,
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    on_line: Callable[[str], None],
+    timeout_s: float | None,
+    stop: asyncio.Event,
+    grace_s: float = 10.0,
+    on_start: Callable[[int], None] | None = None,
+) -> ProcessResult:
+    """Run ``command`` with ``/bin/sh -c`` in its own process group and wait for
+    it, its output read to the end. ``stop`` being set, or ``timeout_s``
+    passing, ends the group (SIGTERM, then SIGKILL after ``grace_s``).
+    ``on_start`` gets the process group id as soon as it exists. Asyncio
+    cancellation ends the group too, then propagates."""
+    # Output goes through a pipe of our own, not the subprocess transport's:
+    # the transport's wait() only returns once its pipes close, which a
+    # background process still holding stdout would put off indefinitely.
+    read_fd, write_fd = os.pipe()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "/bin/sh",
+            "-c",
+            command,
+            cwd=str(cwd),
+            env=dict(env),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=write_fd,
+            stderr=write_fd,
+            start_new_session=True,
+        )
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    pgid = proc.pid  # a new session's leader: its pid is the group id
+    if on_start is not None:
+        on_start(pgid)
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
+    loop = asyncio.get_running_loop()
+    stream = asyncio.StreamReader(limit=_READ_CHUNK * 2)
+    read_pipe = os.fdopen(read_fd, "rb", buffering=0)
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(stream), read_pipe
+    )
+    reader = asyncio.create_task(_pump(stream, on_line, tail))
+    waiter = asyncio.create_task(proc.wait())
+    stopper = asyncio.create_task(stop.wait())
+    stopped: str | None = None
+    try:
+        done, _ = await asyncio.wait(
+            {waiter, stopper}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        if waiter not in done:
+            stopped = "cancelled" if stopper in done else "timeout"
+            await end_process_group(pgid, grace_s)
+            await waiter
+        # What the command left running in its group goes too (as a CI runner
+        # cleans up orphans): a step owns nothing once it has ended.
+        await end_process_group(pgid, min(grace_s, 2.0))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(reader), timeout=max(grace_s, 1.0))
+    except asyncio.CancelledError:
+        await asyncio.shield(end_process_group(pgid, grace_s))
+        raise
+    finally:
+        stopper.cancel()
+        if not reader.done():
+            reader.cancel()
+        if not waiter.done():
+            waiter.cancel()
+        transport.close()
+    return ProcessResult(exit_code=proc.returncode, stopped=stopped, tail=tuple(tail))

@@ -1,0 +1,243 @@
+"""The workflow runner runs real processes: outcomes, logs, artifacts, stopping,
+timeouts, and inputs that stay inert."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from fleetlease.hostagent.runners.base import RunContext, RunOutcome
+from fleetlease.hostagent.runners.workflow import CommandGoalRunner, ProcessWorkflowRunner
+from fleetlease.hostagent.workflows import WorkflowDefinition, load_workflow
+from fleetlease.persistence.model import Outcome, TaskKind
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.artifacts: dict[str, bytes] = {}
+        self.progress: list[str] = []
+
+    def context(self, workflow: str, payload: dict[str, object] | None = None, **kw: object) -> RunContext:
+        return RunContext(
+            task_id="t1",
+            attempt=kw.pop("attempt", 1),  # type: ignore[arg-type]
+            device_id="dev-1",
+            kind=TaskKind.WORKFLOW,
+            workflow=workflow,
+            payload=payload or {},
+            log=self.lines.append,
+            artifact=self.artifacts.__setitem__,
+            progress=self.progress.append,
+            **kw,  # type: ignore[arg-type]
+        )
+
+
+def define(tmp_path: Path, text: str) -> WorkflowDefinition:
+    path = tmp_path / "wf.yml"
+    path.write_text(text)
+    return load_workflow(path)
+
+
+def runner(tmp_path: Path, wf: WorkflowDefinition, **kw: object) -> ProcessWorkflowRunner:
+    return ProcessWorkflowRunner({wf.name: wf}, tmp_path / "work", grace_s=2.0, **kw)  # type: ignore[arg-type]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def wait_for(cond: object, timeout: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():  # type: ignore[operator]
+        if loop.time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+async def test_steps_log_write_artifacts_report_fields_and_end_done(tmp_path: Path) -> None:
+    wf = define(tmp_path, """\
+name: build
+steps:
+  - name: one
+    run: |
+      echo hello from one
+      echo "to stderr" >&2
+      echo "::fleetlease::progress::half way"
+      echo "::fleetlease::result::version=1.2.3"
+      mkdir -p reports && echo '<xml/>' > reports/r.xml
+      printf 'apk bytes' > "$FLEETLEASE_ARTIFACTS/app.apk"
+    artifacts: ["reports/*.xml"]
+  - name: two
+    run: echo "step $FLEETLEASE_STEP of $FLEETLEASE_WORKFLOW on $FLEETLEASE_DEVICE_ID"
+""")
+    sink = Sink()
+    out = await runner(tmp_path, wf).run(sink.context("build"))
+    assert out == RunOutcome.done(result={"version": "1.2.3"})
+    assert "hello from one" in sink.lines and "to stderr" in sink.lines
+    assert "step two of build on dev-1" in sink.lines
+    assert not any(line.startswith("::fleetlease::") for line in sink.lines)
+    assert sink.progress == ["half way"]
+    assert sink.artifacts == {"app.apk": b"apk bytes", "reports/r.xml": b"<xml/>\n"}
+    assert not (tmp_path / "work" / "t1-1").exists(), "the workspace is removed afterwards"
+
+
+async def test_a_failing_step_fails_with_its_exit_code_and_last_lines(tmp_path: Path) -> None:
+    wf = define(tmp_path, """\
+name: w
+steps:
+  - name: bad
+    run: "for i in 1 2 3; do echo line $i; done; exit 3"
+  - name: never
+    run: touch never-ran
+""")
+    sink = Sink()
+    out = await runner(tmp_path, wf).run(sink.context("w"))
+    assert out.outcome is Outcome.FAILED and not out.retryable
+    assert out.reason == "step 'bad' exited 3"
+    assert out.result["failed_step"] == "bad" and out.result["exit_code"] == 3
+    assert out.result["output_tail"] == ["line 1", "line 2", "line 3"]
+    assert "::step never" not in sink.lines
+
+
+async def test_a_retryable_exit_code_is_a_retryable_failure(tmp_path: Path) -> None:
+    wf = define(tmp_path, "name: w\nsteps:\n  - run: exit 75\n    retryable-exit-codes: [75]\n")
+    out = await runner(tmp_path, wf).run(Sink().context("w"))
+    assert out.outcome is Outcome.FAILED and out.retryable
+
+
+async def test_continue_on_error_records_the_failure_and_goes_on(tmp_path: Path) -> None:
+    wf = define(tmp_path, """\
+name: w
+steps:
+  - {name: flaky, run: exit 1, continue-on-error: true}
+  - {name: after, run: echo after}
+""")
+    sink = Sink()
+    out = await runner(tmp_path, wf).run(sink.context("w"))
+    assert out.outcome is Outcome.DONE
+    assert out.result["continued_after"] == [{"step": "flaky", "exit_code": 1}]
+    assert "after" in sink.lines
+
+
+async def test_inputs_reach_steps_as_environment_only_and_stay_inert(tmp_path: Path) -> None:
+    wf = define(tmp_path, """\
+name: w
+inputs:
+  name: {type: string, required: true}
+steps:
+  - run: 'echo "got $FLEETLEASE_INPUT_NAME"; ls'
+""")
+    sink = Sink()
+    evil = "$(touch owned); rm -rf ~ `touch owned2` && touch owned3"
+    out = await runner(tmp_path, wf).run(sink.context("w", {"inputs": {"name": evil}}))
+    assert out.outcome is Outcome.DONE
+    assert f"got {evil}" in sink.lines
+    assert not any("owned" in line for line in sink.lines if not line.startswith("got "))
+    assert not list(tmp_path.rglob("owned*"))
+
+
+async def test_a_bad_input_fails_the_attempt_without_running_anything(tmp_path: Path) -> None:
+    wf = define(tmp_path, "name: w\ninputs:\n  n: {type: integer}\nsteps:\n  - run: touch ran\n")
+    out = await runner(tmp_path, wf).run(Sink().context("w", {"inputs": {"n": "x"}}))
+    assert out.outcome is Outcome.FAILED and not out.retryable and "must be a integer" in out.reason
+    assert not list(tmp_path.rglob("ran"))
+
+
+async def test_the_agents_secrets_never_reach_a_step(tmp_path: Path) -> None:
+    wf = define(tmp_path, "name: w\nsteps:\n  - run: env\n")
+    environ = {
+        "PATH": os.environ["PATH"],
+        "HOME": "/home/agent",
+        "FLEETLEASE_CREDENTIAL": "secret-credential",
+        "FLEETLEASE_TOKEN": "secret-token",
+        "AWS_SECRET_ACCESS_KEY": "secret-aws",
+    }
+    sink = Sink()
+    out = await runner(tmp_path, wf, environ=environ).run(sink.context("w"))
+    assert out.outcome is Outcome.DONE
+    dump = "\n".join(sink.lines)
+    assert "secret-" not in dump
+    assert "HOME=/home/agent" in sink.lines and "FLEETLEASE_TASK_ID=t1" in sink.lines
+
+
+async def test_cancel_ends_the_step_and_every_process_it_started(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    wf = define(tmp_path, f"""\
+name: w
+steps:
+  - run: |
+      sleep 300 &
+      echo $! >> {pids}
+      sh -c 'sleep 300 & echo $! >> {pids}; wait' &
+      echo $$ >> {pids}
+      echo started
+      wait
+""")
+    sink = Sink()
+    ctx = sink.context("w")
+    task = asyncio.create_task(runner(tmp_path, wf).run(ctx))
+    await wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 3)
+    started = [int(p) for p in pids.read_text().split()]
+    assert all(alive(p) for p in started)
+    ctx.cancelled.set()
+    out = await asyncio.wait_for(task, 30)
+    assert out.outcome is Outcome.CANCELLED
+    await wait_for(lambda: not any(alive(p) for p in started))
+
+
+async def test_a_step_timeout_ends_the_group_and_fails_the_attempt(tmp_path: Path) -> None:
+    wf = define(tmp_path, "name: w\nsteps:\n  - {name: slow, run: sleep 300, timeout: 500ms}\n")
+    out = await runner(tmp_path, wf).run(Sink().context("w"))
+    assert out.outcome is Outcome.FAILED and out.reason == "step 'slow' timed out"
+
+
+async def test_a_background_process_left_behind_by_a_step_is_ended(tmp_path: Path) -> None:
+    pid_file = tmp_path / "bg"
+    wf = define(tmp_path, f"name: w\nsteps:\n  - run: 'sleep 300 & echo $! > {pid_file}'\n")
+    out = await runner(tmp_path, wf).run(Sink().context("w"))
+    assert out.outcome is Outcome.DONE
+    pid = int(pid_file.read_text())
+    await wait_for(lambda: not alive(pid))
+
+
+async def test_an_unknown_workflow_is_a_retryable_failure(tmp_path: Path) -> None:
+    wf = define(tmp_path, "name: w\nsteps:\n  - run: exit 0\n")
+    out = await runner(tmp_path, wf).run(Sink().context("other"))
+    assert out.outcome is Outcome.FAILED and out.retryable
+
+
+async def test_the_goal_command_gets_the_goal_and_the_device(tmp_path: Path) -> None:
+    script = tmp_path / "planner.sh"
+    script.write_text('#!/bin/sh\necho "goal=$FLEETLEASE_GOAL device=$FLEETLEASE_DEVICE_ID"\n')
+    script.chmod(0o755)
+    sink = Sink()
+    ctx = RunContext(
+        task_id="t2", attempt=1, device_id="dev-9", kind=TaskKind.GOAL,
+        goal="open settings; rm -rf /", log=sink.lines.append,
+    )  # fmt: skip
+    out = await CommandGoalRunner(str(script), tmp_path / "work").run(ctx)
+    assert out.outcome is Outcome.DONE
+    assert "goal=open settings; rm -rf / device=dev-9" in sink.lines
+
+
+@pytest.mark.parametrize(("code", "retryable"), [(1, False), (75, True)])
+async def test_the_goal_command_fails_on_nonzero_exit(
+    tmp_path: Path, code: int, retryable: bool
+) -> None:
+    ctx = RunContext(task_id="t3", attempt=1, device_id="d", kind=TaskKind.GOAL, goal="g")
+    out = await CommandGoalRunner(f"exit {code}", tmp_path / "work").run(ctx)
+    assert out.outcome is Outcome.FAILED and out.retryable is retryable
