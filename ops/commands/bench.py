@@ -82,7 +82,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from fleetlease.ops.bench import BenchError, BenchOptions, run
+    from fleetlease.ops.bench.runner import BenchError, BenchOptions, run
     from fleetlease.ops.render import is_tty, print_json
 
     try:

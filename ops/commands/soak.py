@@ -38,7 +38,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    from fleetlease.ops.soak import SoakConfig, run_soak
+    from fleetlease.ops.testing.soak import SoakConfig, run_soak
 
     if not args.minutes > 0:
         raise CliError("--minutes must be positive", EXIT_USAGE)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from fleetlease.ops.cluster import Cluster
+from fleetlease.ops.testing.cluster import Cluster
 
 MakeCluster = Callable[..., Awaitable[Cluster]]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetlease.ops.cluster import Cluster, Timings, wait_for
+from fleetlease.ops.testing.cluster import Cluster, Timings, wait_for
 from tests.faults.conftest import MakeCluster
 
 pytestmark = pytest.mark.chaos

@@ -16,7 +16,7 @@ import asyncio
 import pytest
 import sqlalchemy as sa
 
-from fleetlease.ops.cluster import Cluster, Timings, wait_for
+from fleetlease.ops.testing.cluster import Cluster, Timings, wait_for
 from tests.faults.conftest import MakeCluster
 
 pytestmark = pytest.mark.chaos

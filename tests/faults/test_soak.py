@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetlease.ops.cluster import REPO_ROOT, child_env
+from fleetlease.ops.testing.cluster import REPO_ROOT, child_env
 
 
 async def soak(tmp_path: Path, *args: str, timeout: float) -> dict[str, object]:

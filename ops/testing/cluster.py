@@ -28,8 +28,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fleetlease.ops.embedded import EmbeddedNats, EmbeddedPostgres
-from fleetlease.ops.faultproxy import FaultProxy
-from fleetlease.ops.invariants import (
+from fleetlease.ops.testing.faultproxy import FaultProxy
+from fleetlease.ops.testing.invariants import (
     TERMINAL,
     Acknowledged,
     Observer,
@@ -44,7 +44,7 @@ from fleetlease.persistence.model import RetryPolicy, TaskKind, TaskSpec
 log = structlog.get_logger("fleetlease.cluster")
 
 T = TypeVar("T")
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class ClusterError(AssertionError):

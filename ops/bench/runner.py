@@ -72,7 +72,7 @@ import msgpack
 import psutil
 
 from fleetlease.ops import eventloop
-from fleetlease.ops.bench_transport import _admin, _with_database, pct
+from fleetlease.ops.bench.transport import _admin, _with_database, pct
 
 T = TypeVar("T")
 
@@ -80,7 +80,7 @@ SCHEMA = 1
 SUBMIT_BATCH = 100
 #: Payload of every benchmark task: the simulated runner returns at once.
 ZERO = {"sim": {"duration_s": 0}}
-_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 _TAKE_RETRIES = 5
 #: How long the renewal cell measures the control plane holding its leases idle.
 _IDLE_S = 5.0
@@ -1263,7 +1263,7 @@ async def run(opts: BenchOptions) -> dict[str, Any]:
 
             if opts.floor:
                 _say(opts, "floor: the control plane's core alone")
-                from fleetlease.ops.bench_floor import floor_cell
+                from fleetlease.ops.bench.floor import floor_cell
 
                 try:
                     async with scratch_database(srv.database_url, "floor") as url:

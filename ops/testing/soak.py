@@ -52,7 +52,7 @@ import sqlalchemy as sa
 import structlog
 
 from fleetlease.actors import failpoints
-from fleetlease.ops.cluster import Cluster, ClusterError, Timings, wait_for
+from fleetlease.ops.testing.cluster import Cluster, ClusterError, Timings, wait_for
 from fleetlease.persistence import tables
 
 log = structlog.get_logger("fleetlease.soak")

@@ -1,0 +1,1 @@
+"""Benchmark tooling of ``fleetlease bench``."""
