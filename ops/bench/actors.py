@@ -1,6 +1,7 @@
 """Scale benchmark of the actor runtime (a measurement, not a test).
 
-    python -m ops.bench_actors --database-url postgresql://postgres@127.0.0.1:5432/postgres \
+    python -m fleetlease.ops.bench.actors \
+        --database-url postgresql://postgres@127.0.0.1:5432/postgres \
         --leases 5000 --seconds 15
 
 Creates a scratch database on that server (dropped afterwards unless
@@ -175,7 +176,9 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ops.bench_actors", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m fleetlease.ops.bench.actors", description=__doc__
+    )
     p.add_argument("--database-url", required=True, help="a server where we may create a DB")
     p.add_argument("--leases", type=int, default=5000)
     p.add_argument("--seconds", type=float, default=15.0)

@@ -39,7 +39,7 @@ Everything is measured in one run, on this machine, beside its calibration:
   again; then finish them all and count tasks lost or run twice (must be 0).
 * **floor** (``--floor``, before the throughput cell): the actors and the
   write-through alone, in this process, with loops calling the ``ControlPlane``
-  facade for hosts that cost nothing (``ops/bench_floor.py``): tasks/s,
+  facade for hosts that cost nothing (``ops/bench/floor.py``): tasks/s,
   transitions/s, commits and CPU per task; the ratios floor / ceiling and
   whole system / floor. An upper bound for the whole system here.
 * **peers** (``--peers``): the same N zero-duration jobs through procrastinate and
@@ -105,7 +105,7 @@ class BenchOptions:
     #: run's own maximum moves with it.
     paced_rate: float | None = None
     peers: bool = False
-    #: Also run the floor cell (``ops/bench_floor.py``): the actors and the
+    #: Also run the floor cell (``ops/bench/floor.py``): the actors and the
     #: write-through alone, no transport and no agents.
     floor: bool = False
     database_url: str | None = None

@@ -1,6 +1,6 @@
 """Transport benchmark: figures printed, nothing asserted.
 
-    python -m ops.bench_transport --database-url URL --nats-url URL
+    python -m fleetlease.ops.bench.transport --database-url URL --nats-url URL
 
 Runs a real ``ControlPlaneService`` (actors, repository, NATS handlers) in this
 process against the given PostgreSQL server (in a scratch database created and
@@ -279,8 +279,11 @@ async def _until_parked(svc: ControlPlaneService, timeout: float = 10.0) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ops.bench_transport", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m fleetlease.ops.bench.transport",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--database-url", required=True, help="PostgreSQL server URL")
     p.add_argument("--nats-url", required=True, help="NATS URL")
     p.add_argument("--prefix", help="subject prefix (default: a fresh one)")

@@ -3,7 +3,7 @@
 kill and start again on the same data and port), ``fleetlease serve`` and
 ``fleetlease agent`` children logging JSON lines to files, optional fault
 proxies (control plane -> PostgreSQL, agent -> NATS), and the database side of
-the harness (submits, reads, the invariant checks of ``ops.invariants``).
+the harness (submits, reads, the invariant checks of ``fleetlease.ops.testing.invariants``).
 
 Every wait is for a condition with a deadline; nothing sleeps in place of one.
 """

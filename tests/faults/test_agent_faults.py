@@ -4,7 +4,7 @@ its journal write and its report, its journal file truncated mid-record.
 Invariants: a paused agent's late renewal and result are refused and change
 nothing, the retry on another host wins; a killed agent, restarted, recovers
 from its journal without crashing and its attempt gets exactly one first-time
-terminal report; plus the shared database invariants (``ops.invariants``)."""
+terminal report; plus the shared database invariants (``fleetlease.ops.testing.invariants``)."""
 
 from __future__ import annotations
 
