@@ -47,8 +47,11 @@ T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-class ClusterError(AssertionError):
-    """A condition the cluster waited for did not come (or a child died)."""
+class ClusterError(Exception):
+    """A condition the cluster waited for did not come (or a child died).
+
+    A plain exception, not an ``AssertionError``: a test that waits on the
+    cluster fails with it as an error, and ``python -O`` changes nothing."""
 
 
 async def wait_for(
