@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from fleetlease.ops.bench.runner import BenchOptions
+from fleetlease.ops.bench import BenchOptions
 
 
 @pytest.mark.parametrize(
