@@ -29,6 +29,9 @@ EXIT_NOT_FOUND = 4
 EXIT_CONFLICT = 5
 EXIT_UNAVAILABLE = 6
 
+#: The one map from an error's ``code`` (the user API's wire error codes, which
+#: ``OpsError`` and the repository's errors carry) to the exit code. The API
+#: client and the web console know nothing of exit codes; ``main`` maps them here.
 EXIT_BY_CODE = {
     "bad_request": EXIT_USAGE,
     "unauthorized": EXIT_DENIED,
@@ -121,10 +124,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # the one place that turns any failure into one line
         if getattr(args, "debug", False):
             raise
-        code = getattr(exc, "code", None)
         message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
         print(f"fleetlease: {message}", file=sys.stderr)
-        return EXIT_BY_CODE.get(code, EXIT_ERROR) if isinstance(code, str) else EXIT_ERROR
+        return exit_code_for(exc)
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code of a failure: its ``code`` through ``EXIT_BY_CODE``, else 1."""
+    code = getattr(exc, "code", None)
+    return EXIT_BY_CODE.get(code, EXIT_ERROR) if isinstance(code, str) else EXIT_ERROR
 
 
 if __name__ == "__main__":

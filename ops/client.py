@@ -3,9 +3,9 @@ token, answered by ``ops/api.py`` in the control plane, and the task events of
 the tasks that user may read.
 
 Used by the CLI (``ops/commands/user.py``) and the web console (``ops/web``).
-Every failure is an ``OpsError``: a ``CliError`` (one line, the exit code of its
-kind) that also keeps the wire error ``code`` (``unauthorized``, ``forbidden``,
-``not_found``, ...), so that the web console can answer 401, 403 or 404.
+Every failure is an ``OpsError`` carrying the wire error ``code``
+(``unauthorized``, ``forbidden``, ``not_found``, ...): the web console answers
+401, 403 or 404 by it, the CLI maps it to its exit code (``ops/cli.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from fleetlease.ops.cli import EXIT_BY_CODE, EXIT_DENIED, EXIT_ERROR, EXIT_UNAVAILABLE, CliError
 from fleetlease.ops.config import Settings
 from fleetlease.transport import wire
 from fleetlease.transport.subjects import Subjects
@@ -24,12 +23,13 @@ from fleetlease.transport.subjects import Subjects
 DEFAULT_TIMEOUT_S = 10.0
 
 
-class OpsError(CliError):
+class OpsError(Exception):
     """A user API request failed; ``code`` is the wire error code (``unavailable``
     when no control plane answered, ``bad_reply`` for an undecodable reply)."""
 
-    def __init__(self, message: str, exit_code: int, code: str) -> None:
-        super().__init__(message, exit_code)
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.message = message
         self.code = code
 
 
@@ -93,11 +93,10 @@ class OpsClient:
                 raise OpsError(
                     f"NATS at {self.nats_url} refused {who}: check the token, and name its "
                     "user with --user or FLEETLEASE_USER",
-                    EXIT_DENIED,
                     "unauthorized",
                 ) from exc
             raise OpsError(
-                f"cannot reach NATS at {self.nats_url}: {reason}", EXIT_UNAVAILABLE, "unavailable"
+                f"cannot reach NATS at {self.nats_url}: {reason}", "unavailable"
             ) from exc
         return self
 
@@ -138,30 +137,27 @@ class OpsClient:
             raise OpsError(
                 f"no control plane answers on NATS at {self.nats_url} (prefix {self.prefix}): "
                 "is `fleetlease up` or `fleetlease serve` running?",
-                EXIT_UNAVAILABLE,
                 "unavailable",
             ) from None
         except nats.errors.TimeoutError:
             raise OpsError(
                 f"the control plane did not answer {verb} within {self.timeout_s:g}s",
-                EXIT_UNAVAILABLE,
                 "unavailable",
             ) from None
         except nats.errors.ConnectionClosedError:
             raise OpsError(
-                f"the NATS connection to {self.nats_url} closed", EXIT_UNAVAILABLE, "unavailable"
+                f"the NATS connection to {self.nats_url} closed", "unavailable"
             ) from None
         try:
             reply = wire.decode_reply(msg.data, wire.OpsReply)
         except wire.RemoteError as exc:
             raise OpsError(
                 f"{exc.code.replace('_', ' ')}: {exc.message}",
-                EXIT_BY_CODE.get(exc.code, EXIT_ERROR),
                 exc.code,
             ) from None
         except wire.DecodeError as exc:
             raise OpsError(
-                f"bad reply from the control plane: {exc.message}", EXIT_ERROR, "bad_reply"
+                f"bad reply from the control plane: {exc.message}", "bad_reply"
             ) from None
         return reply.data
 

@@ -12,7 +12,7 @@ Design:
   generation in PostgreSQL.
 * Every host message after Register is signed: the envelope's "b" field holds
   the msgpack body bytes exactly as the sender produced them (see
-  ``transport/wire.py``) and "a" holds ``{h, g, ts, n, s}``. The signature ``s`` is
+  ``transport/wire/``) and "a" holds ``{h, g, ts, n, s}``. The signature ``s`` is
   ``HMAC-SHA256(session_key, "fleetlease-sig-v1" || lp(subject) || lp(type) ||
   lp(body) || ts_ms as 8 bytes || lp(nonce))`` where ``lp(x)`` is x's length as 8
   bytes big-endian followed by x. Length prefixes make the encoding unambiguous;
@@ -466,5 +466,5 @@ class Verifier:
             heapq.heappush(self._expiry, (expires_ms, host_id, nonce))
 
 
-# Signature length is fixed by wire.py; keep the two modules honest.
+# Signature length is fixed by the wire format; keep the two honest.
 assert hashlib.sha256().digest_size == SIGNATURE_LEN

@@ -4,7 +4,7 @@ procrastinate and pgqueuer. Prints a table, or the report as JSON with ``--json`
 
 Without ``--database-url`` / ``--nats-url`` it starts embedded servers for the run.
 Every database it uses is a scratch one created and dropped on that server.
-What each figure means: ``ops/bench.py``.
+What each figure means: ``ops/bench/runner.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``fleetlease soak``: run the whole system (its own embedded PostgreSQL and
 NATS, serve and agent processes) under a seeded fault schedule and report tasks,
-faults, invariant violations and recovery times (``ops/soak.py``). Exit 0 when
+faults, invariant violations and recovery times (``ops/testing/soak.py``). Exit 0 when
 every task finished and no invariant was violated, 1 otherwise."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    from fleetlease.ops.soak import SoakConfig, run_soak
+    from fleetlease.ops.testing.soak import SoakConfig, run_soak
 
     if not args.minutes > 0:
         raise CliError("--minutes must be positive", EXIT_USAGE)

@@ -317,7 +317,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
                     raise OpsError(
                         f"{exc}; the submit may or may not have been made: repeat it with "
                         f"--request-id {request_id} to get its task(s) without making more",
-                        exc.exit_code,
                         exc.code,
                     ) from None
                 await asyncio.sleep(SUBMIT_RETRY_PAUSE_S)

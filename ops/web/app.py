@@ -38,7 +38,6 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fleetlease.ops.cli import EXIT_DENIED
 from fleetlease.ops.client import DEFAULT_TIMEOUT_S, OpsClient, OpsError, task_events
 from fleetlease.ops.web.sessions import (
     LOGIN_CSRF_COOKIE,
@@ -181,7 +180,7 @@ class Console:
         try:
             me = await client.call("whoami")
             if me.get("name") != user:
-                raise OpsError("the token is not this user's", EXIT_DENIED, "unauthorized")
+                raise OpsError("the token is not this user's", "unauthorized")
         except BaseException:
             await client.close()
             raise

@@ -1,5 +1,5 @@
 """Fixtures of the fault suite: each test owns a whole system of real processes
-(``ops.cluster.Cluster``: embedded PostgreSQL and nats-server it can stop, kill
+(``fleetlease.ops.testing.cluster.Cluster``: embedded PostgreSQL and nats-server it can stop, kill
 and restart, ``fleetlease serve`` and ``fleetlease agent`` children), so that a
 fault in one test never reaches another."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from fleetlease.ops.cluster import Cluster
+from fleetlease.ops.testing.cluster import Cluster
 
 MakeCluster = Callable[..., Awaitable[Cluster]]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from fleetlease.actors import failpoints
-from fleetlease.ops.cluster import Timings, wait_for
+from fleetlease.ops.testing.cluster import Timings, wait_for
 from tests.faults.conftest import MakeCluster
 
 pytestmark = pytest.mark.chaos

@@ -4,7 +4,7 @@ its journal write and its report, its journal file truncated mid-record.
 Invariants: a paused agent's late renewal and result are refused and change
 nothing, the retry on another host wins; a killed agent, restarted, recovers
 from its journal without crashing and its attempt gets exactly one first-time
-terminal report; plus the shared database invariants (``ops.invariants``)."""
+terminal report; plus the shared database invariants (``fleetlease.ops.testing.invariants``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetlease.ops.cluster import Cluster, Timings, wait_for
+from fleetlease.ops.testing.cluster import Cluster, Timings, wait_for
 from tests.faults.conftest import MakeCluster
 
 pytestmark = pytest.mark.chaos

@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from fleetlease.ops.invariants import Observer, check
+from fleetlease.ops.testing.invariants import Observer, check
 from fleetlease.persistence.clock import ManualClock
 from fleetlease.persistence.errors import Conflict, Gone
 from fleetlease.persistence.model import (

@@ -17,7 +17,7 @@ import asyncio
 
 import pytest
 
-from fleetlease.ops.cluster import Timings, wait_for
+from fleetlease.ops.testing.cluster import Timings, wait_for
 from tests.faults.conftest import MakeCluster
 
 pytestmark = pytest.mark.chaos

@@ -23,7 +23,7 @@ import signal
 
 import pytest
 
-from fleetlease.ops.cluster import Cluster, Timings
+from fleetlease.ops.testing.cluster import Cluster, Timings
 from tests.faults.conftest import MakeCluster
 
 pytestmark = pytest.mark.chaos

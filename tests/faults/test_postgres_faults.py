@@ -4,7 +4,7 @@ COMMIT, both when the backend is terminated before the commit is done and when
 the commit is done but its reply never reaches the control plane.
 
 Invariants: every task ends terminal, nothing acknowledged is lost, no device
-reserved twice (``ops.invariants``); a COMMIT whose reply was lost surfaces as
+reserved twice (``fleetlease.ops.testing.invariants``); a COMMIT whose reply was lost surfaces as
 ``unavailable``, the agent repeats its report with the same fingerprint, and the
 outcome is what the database recorded (a replay when the commit was done, the
 first recording when it was not), never a guess."""
@@ -16,7 +16,7 @@ import asyncio
 import pytest
 import sqlalchemy as sa
 
-from fleetlease.ops.cluster import Cluster, Timings, wait_for
+from fleetlease.ops.testing.cluster import Cluster, Timings, wait_for
 from tests.faults.conftest import MakeCluster
 
 pytestmark = pytest.mark.chaos

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetlease.ops.faultproxy import FaultProxy
+from fleetlease.ops.testing.faultproxy import FaultProxy
 
 SILENCE_S = 0.5  # how long "nothing arrives" is watched for
 

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from fleetlease.ops.cluster import wait_for
+from fleetlease.ops.testing.cluster import wait_for
 from tests.faults.conftest import MakeCluster
 
 pytestmark = pytest.mark.chaos

@@ -4,7 +4,7 @@ and kills, actor kills inside a serve) against the whole system of real
 processes. The deck deals every fault kind once (shuffled) before any repeats;
 with seed 7 ``actor_kill`` is the fourth fault, well inside the minute.
 
-Invariant: zero violations of ``ops.invariants`` and every task finished; the
+Invariant: zero violations of ``fleetlease.ops.testing.invariants`` and every task finished; the
 recovery times are printed figures, not asserted. The 15-minute, 5,000-task
 target runs with ``--soak``."""
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetlease.ops.cluster import REPO_ROOT, child_env
+from fleetlease.ops.testing.cluster import REPO_ROOT, child_env
 
 
 async def soak(tmp_path: Path, *args: str, timeout: float) -> dict[str, object]:

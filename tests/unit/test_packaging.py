@@ -17,9 +17,11 @@ PACKAGES = ("actors", "transport", "persistence", "hostagent", "ops")
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("src")
-    files = subprocess.run(
-        ["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True
-    ).stdout.decode().split("\0")
+    files = (
+        subprocess.run(["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True)
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, files):
         if (REPO / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
@@ -59,3 +61,18 @@ def test_the_entry_points_name_the_namespace(wheel: Path) -> None:
     for line in text.splitlines():
         if "=" in line:
             assert line.split("=", 1)[1].strip().startswith("fleetlease."), line
+
+
+def test_every_subpackage_of_the_tree_is_in_the_wheel(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    tracked = (
+        subprocess.run(
+            ["git", "ls-files", "-z", *PACKAGES], cwd=REPO, check=True, capture_output=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
+    inits = [n for n in tracked if n.endswith("/__init__.py") and "/migrations/" not in n]
+    assert inits
+    for init in inits:
+        assert f"fleetlease/{init}" in names, f"{init} is not packaged (pyproject packages)"

@@ -1,7 +1,7 @@
 """``fleetlease soak``: the whole system under a seeded fault schedule, with
 figures.
 
-It owns everything it runs (``ops.cluster.Cluster`` in a work directory): an
+It owns everything it runs (``fleetlease.ops.testing.cluster.Cluster`` in a work directory): an
 embedded PostgreSQL behind a fault proxy, an embedded nats-server, two
 ``fleetlease serve`` processes sharing the work, and simulated hosts
 (``fleetlease agent`` processes, each behind its own NATS fault proxy, restarted
@@ -29,7 +29,7 @@ faults:
 Recovery time of a fault: from its end (restart, heal) until the next task
 reaches a terminal state. At the end every fault is healed, submitting stops,
 every task must reach a terminal state, and the invariants of
-``ops.invariants`` are checked on the database. The report gives tasks
+``fleetlease.ops.testing.invariants`` are checked on the database. The report gives tasks
 submitted, finished by state, faults by kind, invariant violations (must be 0)
 and the recovery times.
 """
@@ -52,7 +52,7 @@ import sqlalchemy as sa
 import structlog
 
 from fleetlease.actors import failpoints
-from fleetlease.ops.cluster import Cluster, ClusterError, Timings, wait_for
+from fleetlease.ops.testing.cluster import Cluster, ClusterError, Timings, wait_for
 from fleetlease.persistence import tables
 
 log = structlog.get_logger("fleetlease.soak")

@@ -1,6 +1,7 @@
 """Scale benchmark of the actor runtime (a measurement, not a test).
 
-    python -m ops.bench_actors --database-url postgresql://postgres@127.0.0.1:5432/postgres \
+    python -m fleetlease.ops.bench.actors \
+        --database-url postgresql://postgres@127.0.0.1:5432/postgres \
         --leases 5000 --seconds 15
 
 Creates a scratch database on that server (dropped afterwards unless
@@ -31,6 +32,7 @@ import psutil
 from sqlalchemy.engine import make_url
 
 from fleetlease.actors.runtime import DEFAULT_STACK_SIZE, ControlPlane
+from fleetlease.ops.bench.measure import admin
 from fleetlease.persistence.db import async_url, create_engine
 from fleetlease.persistence.errors import Unavailable
 from fleetlease.persistence.migrate import upgrade
@@ -43,23 +45,6 @@ from fleetlease.persistence.model import (
     TaskSpec,
 )
 from fleetlease.persistence.repository import Repository
-
-
-async def _admin(url: str, sql: str) -> None:
-    import asyncpg
-
-    u = make_url(async_url(url))
-    conn = await asyncpg.connect(
-        user=u.username,
-        password=u.password,
-        database=u.database,
-        host=u.query.get("host") or u.host,
-        port=u.port,
-    )
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
 
 
 def _rss() -> int:
@@ -163,7 +148,7 @@ async def bench(url: str, leases: int, seconds: float, devices_per_host: int) ->
 
 async def main_async(args: argparse.Namespace) -> None:
     name = f"fl_bench_{uuid.uuid4().hex[:10]}"
-    await _admin(args.database_url, f'CREATE DATABASE "{name}"')
+    await admin(args.database_url, f'CREATE DATABASE "{name}"')
     url = make_url(async_url(args.database_url)).set(database=name)
     db_url = url.render_as_string(hide_password=False)
     try:
@@ -171,11 +156,11 @@ async def main_async(args: argparse.Namespace) -> None:
         await bench(db_url, args.leases, args.seconds, args.devices_per_host)
     finally:
         if not args.keep:
-            await _admin(args.database_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            await admin(args.database_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ops.bench_actors", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m fleetlease.ops.bench.actors", description=__doc__)
     p.add_argument("--database-url", required=True, help="a server where we may create a DB")
     p.add_argument("--leases", type=int, default=5000)
     p.add_argument("--seconds", type=float, default=15.0)

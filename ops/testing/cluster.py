@@ -3,7 +3,7 @@
 kill and start again on the same data and port), ``fleetlease serve`` and
 ``fleetlease agent`` children logging JSON lines to files, optional fault
 proxies (control plane -> PostgreSQL, agent -> NATS), and the database side of
-the harness (submits, reads, the invariant checks of ``ops.invariants``).
+the harness (submits, reads, the invariant checks of ``fleetlease.ops.testing.invariants``).
 
 Every wait is for a condition with a deadline; nothing sleeps in place of one.
 """
@@ -28,8 +28,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fleetlease.ops.embedded import EmbeddedNats, EmbeddedPostgres
-from fleetlease.ops.faultproxy import FaultProxy
-from fleetlease.ops.invariants import (
+from fleetlease.ops.testing.faultproxy import FaultProxy
+from fleetlease.ops.testing.invariants import (
     TERMINAL,
     Acknowledged,
     Observer,
@@ -44,11 +44,14 @@ from fleetlease.persistence.model import RetryPolicy, TaskKind, TaskSpec
 log = structlog.get_logger("fleetlease.cluster")
 
 T = TypeVar("T")
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-class ClusterError(AssertionError):
-    """A condition the cluster waited for did not come (or a child died)."""
+class ClusterError(Exception):
+    """A condition the cluster waited for did not come (or a child died).
+
+    A plain exception, not an ``AssertionError``: a test that waits on the
+    cluster fails with it as an error, and ``python -O`` changes nothing."""
 
 
 async def wait_for(

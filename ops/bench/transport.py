@@ -1,6 +1,6 @@
 """Transport benchmark: figures printed, nothing asserted.
 
-    python -m ops.bench_transport --database-url URL --nats-url URL
+    python -m fleetlease.ops.bench.transport --database-url URL --nats-url URL
 
 Runs a real ``ControlPlaneService`` (actors, repository, NATS handlers) in this
 process against the given PostgreSQL server (in a scratch database created and
@@ -29,19 +29,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from fleetlease.ops.bench.measure import admin, pct, with_database
 from fleetlease.ops.service import ControlPlaneService
 from fleetlease.persistence.model import LeaseTimings, TaskKind, TaskSpec
 from fleetlease.transport import wire
 from fleetlease.transport.client import HostClient
 from fleetlease.transport.subjects import Channel
-
-
-def pct(samples: list[float], p: float) -> float:
-    if not samples:
-        return float("nan")
-    ordered = sorted(samples)
-    k = min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))
-    return ordered[k]
 
 
 def line(name: str, samples_s: list[float]) -> str:
@@ -50,34 +43,6 @@ def line(name: str, samples_s: list[float]) -> str:
         f"  {name:<34} n={len(ms):<6} p50={pct(ms, 50):7.2f} ms  p99={pct(ms, 99):7.2f} ms"
         f"  mean={statistics.fmean(ms) if ms else float('nan'):7.2f} ms"
     )
-
-
-async def _admin(url: str, sql: str) -> None:
-    import asyncpg
-    from sqlalchemy.engine import make_url
-
-    from fleetlease.persistence.db import async_url
-
-    u = make_url(async_url(url))
-    conn = await asyncpg.connect(
-        user=u.username,
-        password=u.password,
-        database=u.database,
-        host=u.query.get("host") or u.host,
-        port=u.port,
-    )
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
-
-
-def _with_database(url: str, name: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    from fleetlease.persistence.db import async_url
-
-    return make_url(async_url(url)).set(database=name).render_as_string(hide_password=False)
 
 
 class Bench:
@@ -131,8 +96,8 @@ async def run(args: argparse.Namespace) -> None:
     scratch = None
     if not args.in_place:
         scratch = f"fl_bench_{uuid.uuid4().hex[:10]}"
-        await _admin(db_url, f'CREATE DATABASE "{scratch}"')
-        db_url = _with_database(db_url, scratch)
+        await admin(db_url, f'CREATE DATABASE "{scratch}"')
+        db_url = with_database(db_url, scratch)
     state = Path(tempfile.mkdtemp(prefix="fleetlease-bench-"))
     prefix = args.prefix or f"bench{uuid.uuid4().hex[:8]}"
     svc = ControlPlaneService(
@@ -267,7 +232,7 @@ async def run(args: argparse.Namespace) -> None:
                 await svc.server.delete_storage()
         await svc.stop()
         if scratch is not None:
-            await _admin(args.database_url, f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)')
+            await admin(args.database_url, f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)')
 
 
 async def _until_parked(svc: ControlPlaneService, timeout: float = 10.0) -> None:
@@ -279,8 +244,11 @@ async def _until_parked(svc: ControlPlaneService, timeout: float = 10.0) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ops.bench_transport", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m fleetlease.ops.bench.transport",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--database-url", required=True, help="PostgreSQL server URL")
     p.add_argument("--nats-url", required=True, help="NATS URL")
     p.add_argument("--prefix", help="subject prefix (default: a fresh one)")

@@ -2,7 +2,7 @@
 claim, ack, renew (single and batched) and report on a real PostgreSQL, and the
 commits a whole task lifecycle costs (pg_stat_database ``xact_commit`` deltas).
 
-    python -m ops.bench_repository --database-url postgresql://postgres@127.0.0.1/bench
+    python -m fleetlease.ops.bench.repository --database-url postgresql://postgres@127.0.0.1/bench
 
 The database is migrated first; every run uses fresh host/user/project names, so
 runs can repeat on the same database. Time is the system clock.
