@@ -49,7 +49,8 @@ def test_a_full_definition_loads_with_every_field(tmp_path: Path) -> None:
     install, test = wf.steps
     assert install.timeout_s == 30 and install.env == {"MODE": "fast", "LEVEL": "3"}
     assert install.retryable_exit_codes == {75} and not install.continue_on_error
-    assert test.continue_on_error and test.artifacts == ("reports/*.xml",) and test.timeout_s is None
+    assert test.continue_on_error and test.artifacts == ("reports/*.xml",)
+    assert test.timeout_s is None
     assert wf.inputs["retries"].default == 2 and wf.inputs["build"].required
 
 
@@ -75,7 +76,7 @@ def test_inputs_get_defaults_types_and_refuse_unknown_or_missing(tmp_path: Path)
         ("name: x\nsteps:\n  - name: a\n", 3, "'run' is required"),
         ("name: x\ntimeout: soon\nsteps:\n  - run: a\n", 2, "duration"),
         ("name: x\nsteps:\n  - run: a\n    timeout: -1\n", 4, "more than 0"),
-        ("name: x\nsteps:\n  - run: a\n    env: {FLEETLEASE_TOKEN: x}\n", 4, "set by the runner"),
+        ("name: x\nsteps:\n  - run: a\n    env: {FLEETLEASE_X: x}\n", 4, "set by the runner"),
         ("name: x\nsteps:\n  - run: a\n    artifacts: ['../up']\n", 4, "inside the workspace"),
         ("name: x\ninputs:\n  n: {type: integer, default: nope}\nsteps:\n  - run: a\n", 3, "default"),
         ("name: x\nsteps:\n  - run: a\n  - run: [unclosed\n", 5, "not valid YAML"),
