@@ -7,6 +7,10 @@ Every request goes through the same gate, in this order, and is refused at the
 first check it fails (typed ``Error{code, message}`` reply, nothing read or
 written past that point):
 
+0. the reply subject lies inside the inbox of the principal the subject names
+   (``Subjects.reply_allowed``); otherwise there is no reply at all, only a
+   ``reply_subject_refused`` warning, since the reply subject is the sender's
+   choice and the control plane must never publish elsewhere on its behalf;
 1. the subject parses as one of ours and names a known verb (``bad_request``);
 2. the bytes decode as exactly one envelope of the verb's message type, within
    the size and field limits, with no NUL characters in text bound for
