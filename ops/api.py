@@ -1,10 +1,11 @@
 """The user API behind the ops subjects: authentication, authorization, argument
 validation and the safe projection.
 
-``OpsApi.handle(verb, token, args)`` is what ``transport.server.Server`` calls for
-every request on ``{prefix}.ops.{verb}``. It authenticates the user token, checks
-the arguments (``Invalid(field=...)`` naming the culprit), asks the repository or
-the actor system, and returns plain msgpack-able data.
+``OpsApi.handle(verb, token, args, user=...)`` is what ``transport.server.Server``
+calls for every request on ``{prefix}.ops.{user}.{verb}``. It authenticates the
+user token (which must be the subject's user's), checks the arguments
+(``Invalid(field=...)`` naming the culprit), asks the repository or the actor
+system, and returns plain msgpack-able data.
 
 Safe projection: every record that leaves here is rebuilt field by field from an
 allow-list (``project_task``, ``project_attempt``, ``project_host`` ...), so a
@@ -497,15 +498,22 @@ class OpsApi:
             raise Unauthorized("a user token is required")
         return await self.repo.authenticate_user(token)
 
-    async def handle(self, verb: str, token: str, args: Any) -> Any:
-        user = await self.authenticate(token)
+    async def handle(self, verb: str, token: str, args: Any, *, user: str | None = None) -> Any:
+        """Run ``verb`` for the token's user. ``user`` is the user the request's
+        subject names: the token must be that user's (else ``unauthorized``,
+        nothing done). The server passes None only for the identify request
+        (``whoami`` on ``Subjects.ops_identify``); in-process callers pass None."""
+        principal = await self.authenticate(token)
+        if user is not None and principal.name != user:
+            log.warning("ops_token_of_other_user", subject_user=user)
+            raise Unauthorized(f"the token is not user {user!r}'s")
         method = self._verbs.get(verb)
         if method is None:
             raise Invalid(f"unknown verb {verb!r}", field="verb")
-        if verb in ADMIN_VERBS and not user.platform_admin:
+        if verb in ADMIN_VERBS and not principal.platform_admin:
             raise Forbidden(f"{verb.replace('_', ' ')} needs a platform admin")
-        result = await method(user, args if args is not None else {})
-        log.debug("ops_request", verb=verb, user=user.name)
+        result = await method(principal, args if args is not None else {})
+        log.debug("ops_request", verb=verb, user=principal.name)
         return result
 
     def close(self) -> None:

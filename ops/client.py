@@ -1,5 +1,5 @@
-"""The client of the user API: requests on ``{prefix}.ops.{verb}`` carrying a user
-token, answered by ``ops/api.py`` in the control plane, and the task events of
+"""The client of the user API: requests on ``{prefix}.ops.{user}.{verb}`` carrying
+the user's token, answered by ``ops/api.py`` in the control plane, and the task events of
 the tasks that user may read.
 
 Used by the CLI (``ops/commands/user.py``) and the web console (``ops/web``).
@@ -18,7 +18,7 @@ from typing import Any
 
 from fleetlease.ops.config import Settings
 from fleetlease.transport import wire
-from fleetlease.transport.subjects import Subjects
+from fleetlease.transport.subjects import Subjects, is_valid_token
 
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -43,7 +43,7 @@ class OpsClient:
     timeout_s: float = DEFAULT_TIMEOUT_S
     nc: Any = None
     #: The token's user: connect as ``user:<name>`` with a proof of the token
-    #: (issue 11; harmless on an open server). Unknown: an anonymous connect,
+    #: (harmless on an open server). Unknown: an anonymous connect,
     #: which only an open server accepts.
     user: str | None = None
 
@@ -70,6 +70,7 @@ class OpsClient:
         async def on_error(exc: Exception) -> None:
             errors.append(str(exc) or type(exc).__name__)
 
+        identity = self._identity()
         try:
             # nats-py 2.16 retries the first connect forever with
             # max_reconnect_attempts=0: allow one retry, and bound it anyway.
@@ -82,7 +83,7 @@ class OpsClient:
                     max_reconnect_attempts=1,
                     reconnect_time_wait=0.1,
                     error_cb=on_error,
-                    **self._identity(),
+                    **identity,
                 ),
                 self.timeout_s,
             )
@@ -101,15 +102,26 @@ class OpsClient:
         return self
 
     def _identity(self) -> dict[str, Any]:
-        """The secured-broker connect options of this user, if it is named."""
+        """The connect options of this user: its own inbox prefix (the control
+        plane answers nowhere else) and, for a secured broker, its identity and
+        proof of the token. A client that does not know its user yet gets the
+        anonymous inbox, where only the identify request is answered."""
         if not self.user:
-            return {}
+            return {"inbox_prefix": self.subjects.anon_inbox_prefix().encode()}
         from fleetlease.transport.broker_auth import BrokerAuthError, user_connect_options
 
         try:
+            inbox = self.subjects.ops_inbox_prefix(self.user)
+        except ValueError:
+            raise OpsError(
+                f"user name {self.user!r} is not 1..64 characters of [A-Za-z0-9_-]",
+                "bad_request",
+            ) from None
+        try:
             return user_connect_options(self.user, self.token, self.subjects)
         except (BrokerAuthError, ValueError):
-            return {}  # not a well-formed name or token: the API says so
+            # Not a well-formed token: the API says so.
+            return {"inbox_prefix": inbox.encode()}
 
     async def close(self) -> None:
         if self.nc is not None:
@@ -124,15 +136,33 @@ class OpsClient:
         await self.close()
 
     async def call(self, verb: str, **args: Any) -> Any:
+        """``verb`` on ``{prefix}.ops.{user}.{verb}``. A client that was not told
+        its user asks the control plane whose the token is first (an open broker
+        only: a secured one admits no unnamed user) and reconnects as that user."""
+        if not self.user:
+            await self._identify()
+        assert self.user is not None
+        return await self._request(self.subjects.ops(self.user, verb), verb, args)
+
+    async def _identify(self) -> None:
+        me = await self._request(self.subjects.ops_identify(), "whoami", {})
+        name = me.get("name") if isinstance(me, dict) else None
+        if not is_valid_token(name):
+            raise OpsError(
+                "bad reply from the control plane: no user name", "bad_reply"
+            )
+        await self.close()
+        self.user = name
+        await self.connect()
+
+    async def _request(self, subject: str, verb: str, args: dict[str, Any]) -> Any:
         import nats.errors
 
         request = wire.OpsRequest(
             token=self.token, verb=verb, args={k: v for k, v in args.items() if v is not None}
         )
         try:
-            msg = await self.nc.request(
-                self.subjects.ops(verb), wire.encode(request), timeout=self.timeout_s
-            )
+            msg = await self.nc.request(subject, wire.encode(request), timeout=self.timeout_s)
         except nats.errors.NoRespondersError:
             raise OpsError(
                 f"no control plane answers on NATS at {self.nats_url} (prefix {self.prefix}): "

@@ -74,10 +74,20 @@ def from_args(args: Any) -> Settings:
         or None,
         nats_url=getattr(args, "nats_url", None) or os.environ.get(ENV_NATS_URL) or None,
         prefix=getattr(args, "prefix", None) or os.environ.get(ENV_PREFIX) or DEFAULT_PREFIX,
-        token=getattr(args, "token", None) or os.environ.get(ENV_TOKEN) or None,
+        token=_token(args),
         user=getattr(args, "user", None) or os.environ.get(ENV_USER) or None,
         debug=bool(getattr(args, "debug", False)),
     )
+
+
+def _token(args: Any) -> str | None:
+    """``--token``, else ``FLEETLEASE_TOKEN``; an empty one stays empty (a usage
+    error for the commands that need a token), never "unset": it must not fall
+    back to the context file's admin token."""
+    flag = getattr(args, "token", None)
+    if flag is not None:
+        return str(flag)
+    return os.environ.get(ENV_TOKEN)
 
 
 def ensure_state_dir(path: Path) -> Path:

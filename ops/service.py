@@ -114,7 +114,7 @@ class ControlPlaneService:
             )
             await self.control_plane.start()
             secret = ServerSecret.load_or_create(self.state_dir / "server.secret")
-            connect_options = await self._start_broker_auth()
+            connect_options, storage_options = await self._start_broker_auth()
             self.ops = self._ops_api()
             self.server = Server(
                 nats_url=self.nats_url,
@@ -126,6 +126,7 @@ class ControlPlaneService:
                 timings=self.timings,
                 heartbeat_s=self.heartbeat_s,
                 connect_options=connect_options,
+                storage_connect_options=storage_options,
             )
             await self.server.start()
         except BaseException:
@@ -142,9 +143,11 @@ class ControlPlaneService:
         assert self.repo is not None
         return OpsApi(repo=self.repo, control_plane=self.control_plane, service=self)
 
-    async def _start_broker_auth(self) -> dict[str, Any]:
+    async def _start_broker_auth(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The serving and the storage connections' options (see
+        ``transport.broker_config``); empty on an open broker."""
         if not self.broker_security:
-            return {}
+            return {}, {}
         from fleetlease.transport.broker_auth import BrokerAuthService, SqlCredentialStore
         from fleetlease.transport.broker_config import BrokerKeys
 
@@ -158,7 +161,7 @@ class ControlPlaneService:
             system_seed=keys.system_seed,
             subjects=Subjects(self.prefix),
         ).start()
-        return keys.control_plane_connect_options()
+        return keys.control_plane_connect_options(), keys.storage_connect_options()
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop in the order that loses nothing: the server takes no new requests

@@ -154,12 +154,13 @@ class Services:
                 self.nats_url = s.nats_url or ""
             else:
                 from fleetlease.transport.broker_config import secure_embedded_args
+                from fleetlease.transport.subjects import Subjects
 
                 previous = read_context(s.state_dir).get("nats_port")
                 self.nats = EmbeddedNats(
                     s.state_dir / "nats",
                     port=previous if isinstance(previous, int) else None,
-                    extra_args=secure_embedded_args(s.state_dir),
+                    extra_args=secure_embedded_args(s.state_dir, subjects=Subjects(s.prefix)),
                 )
                 self.nats_url = self.nats.start()
                 self.started.append("nats")

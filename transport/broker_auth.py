@@ -9,7 +9,7 @@ signed by the callout issuer account key, that binds the connection to the
 ``FLEET`` account with exactly that principal's permissions:
 
 * a host ``X``: publish ``{p}.host.X.>``; subscribe ``_INBOX_{p}.host.X.>``.
-* an ops user ``U``: publish ``{p}.ops.>``; subscribe ``_INBOX_{p}.ops.U.>``.
+* an ops user ``U``: publish ``{p}.ops.U.>``; subscribe ``_INBOX_{p}.ops.U.>``.
 * nobody else may subscribe to a request subject or to another principal's
   inbox; only the control plane's own connections (static nkey users that
   bypass the callout, see ``transport/broker_config.py``) may.
@@ -324,7 +324,7 @@ def permissions(subjects: Subjects, kind: Kind, name: str) -> dict[str, Any]:
         pub = [f"{subjects.prefix}.host.{name}.>"]
         sub = [f"{subjects.host_inbox_prefix(name)}.>"]
     elif kind == "user":
-        pub = [f"{subjects.prefix}.ops.>"]
+        pub = [subjects.ops_user_wildcard(name)]
         sub = [f"{subjects.ops_inbox_prefix(name)}.>"]
     else:  # pragma: no cover - Kind is closed
         raise ValueError(kind)

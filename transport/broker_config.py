@@ -4,19 +4,26 @@ Secure mode (nats-server 2.10 or newer, the default of ``fleetlease up``)::
 
     accounts {
       AUTH  { users: [ {nkey: <callout service>} ] }             # runs the callout
-      FLEET { jetstream: enabled, users: [ {nkey: <control plane>} ] }
+      FLEET { jetstream: enabled, users: [
+                {nkey: <control plane, serving>, permissions: <replies only>},
+                {nkey: <control plane, storage>, permissions: <no client subjects>} ] }
       SYS   { users: [ {nkey: <control plane, system>} ] }      # CONNZ / KICK
     }
     system_account: SYS
     authorization { auth_callout { issuer: <account nkey>, account: AUTH,
-                                   auth_users: [ <the three nkeys above> ] } }
+                                   auth_users: [ <the four nkeys above> ] } }
 
-The three control-plane users log in by nkey challenge-response (their seeds stay
+The four control-plane users log in by nkey challenge-response (their seeds stay
 in ``<state>/broker/``, mode 0600; the config holds only public keys) and bypass
 the callout; every other connection - hosts, ops users, anonymous - goes to the
 callout (``transport/broker_auth.py``), which places it in ``FLEET`` with its own
-permissions or refuses it. No permission is granted in the config: a user the
-callout did not vouch for has none.
+permissions or refuses it. No permission is granted to clients in the config: a
+user the callout did not vouch for has none. The control plane's own users are
+split by role: the serving connections (they answer requests) may publish only
+into the fleet's client inboxes and the control plane's own subjects, so a
+request naming ``$JS.API...`` (or any other subject) as its reply can never make
+them act there; JetStream goes through the storage user, which subscribes to no
+request subject and so never answers a client.
 
 Production: add TLS (:class:`TlsFiles`; clients then use ``tls://`` URLs and an
 ``ssl.SSLContext`` trusting the CA) and bind to the interface the hosts reach.
@@ -68,6 +75,7 @@ _SEED_FILES = {
     "callout": nkeys.PREFIX_BYTE_USER,
     "control_plane": nkeys.PREFIX_BYTE_USER,
     "system": nkeys.PREFIX_BYTE_USER,
+    "storage": nkeys.PREFIX_BYTE_USER,
 }
 _FALLBACK_DOMAIN = b"fleetlease-fallback-nkey-v1"
 
@@ -114,6 +122,7 @@ class BrokerKeys:
     callout_seed: str = field(repr=False)
     control_plane_seed: str = field(repr=False)
     system_seed: str = field(repr=False)
+    storage_seed: str = field(repr=False)
 
     @classmethod
     def load_or_create(cls, directory: str | os.PathLike[str]) -> BrokerKeys:
@@ -124,6 +133,7 @@ class BrokerKeys:
             callout_seed=seeds["callout"],
             control_plane_seed=seeds["control_plane"],
             system_seed=seeds["system"],
+            storage_seed=seeds["storage"],
         )
 
     @property
@@ -131,9 +141,43 @@ class BrokerKeys:
         return public_key(self.issuer_seed)
 
     def control_plane_connect_options(self) -> dict[str, Any]:
-        """``connect_options`` for ``transport.server.Server`` (and any other
-        control-plane connection: full rights in ``FLEET``)."""
+        """``connect_options`` for ``transport.server.Server``'s serving
+        connections: they may publish replies into client inboxes and the control
+        plane's own subjects, nothing else (:func:`control_plane_permissions`)."""
         return {"nkeys_seed_str": self.control_plane_seed}
+
+    def storage_connect_options(self) -> dict[str, Any]:
+        """``storage_connect_options`` for ``transport.server.Server``: the
+        connection that uses JetStream (staging stream, object store) and never
+        answers a client."""
+        return {"nkeys_seed_str": self.storage_seed}
+
+
+def control_plane_permissions(subjects: Subjects) -> dict[str, Any]:
+    """What the serving connections may do. Publish: the fleet's client inboxes
+    (replies; the server itself keeps each reply in its requester's own inbox),
+    task events and the cross-process wake notices. Subscribe: the fleet's own
+    subjects (requests, wake notices), never a client inbox. So a forged reply
+    subject can never reach ``$JS``, ``$O``, ``$KV``, ``$SYS`` or any other
+    subject of the account."""
+    p = subjects.prefix
+    return {
+        "publish": {"allow": [*subjects.client_inbox_wildcards(), f"{p}.events.>", f"{p}._wake"]},
+        "subscribe": {"allow": [f"{p}.>"]},
+    }
+
+
+def storage_permissions(subjects: Subjects) -> dict[str, Any]:
+    """What the storage connection may do: publish anywhere in ``FLEET`` but its
+    subscriptions are limited to its own ``_INBOX.>`` (JetStream API replies and
+    object-store deliveries), so it can never take a client's request."""
+    del subjects  # the default inbox is not under the prefix
+    return {"subscribe": {"allow": ["_INBOX.>"]}}
+
+
+def _perm_text(perms: dict[str, Any]) -> str:
+    parts = [f"{kind}: {{ allow: {json.dumps(rule['allow'])} }}" for kind, rule in perms.items()]
+    return "{ " + ", ".join(parts) + " }"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,13 +218,17 @@ def secure_config(
     tls: TlsFiles | None = None,
     auth_timeout_s: float = 5.0,
     server_name: str = "fleetlease",
+    subjects: Subjects | None = None,
 ) -> str:
     """The nats-server config of secure mode (auth callout). Listen address, port
     and JetStream directory come from the command line (``ops/embedded.py``) or
-    from the operator's own config, which can ``include`` this file."""
+    from the operator's own config, which can ``include`` this file. ``subjects``:
+    the fleet's prefix, which the control plane's permissions name."""
+    subjects = subjects or Subjects()
     cp = public_key(keys.control_plane_seed)
     callout = public_key(keys.callout_seed)
     system = public_key(keys.system_seed)
+    storage = public_key(keys.storage_seed)
     text = f"""# Generated by fleetlease (transport/broker_config.py); do not edit.
 server_name: {_q(server_name)}
 authorization {{
@@ -188,14 +236,17 @@ authorization {{
   auth_callout {{
     issuer: {keys.issuer}
     account: {AUTH_ACCOUNT}
-    auth_users: [ {callout}, {cp}, {system} ]
+    auth_users: [ {callout}, {cp}, {system}, {storage} ]
   }}
 }}
 accounts {{
   {AUTH_ACCOUNT} {{ users: [ {{ nkey: {callout} }} ] }}
   {FLEET_ACCOUNT} {{
     jetstream: enabled
-    users: [ {{ nkey: {cp} }} ]
+    users: [
+      {{ nkey: {cp}, permissions: {_perm_text(control_plane_permissions(subjects))} }}
+      {{ nkey: {storage}, permissions: {_perm_text(storage_permissions(subjects))} }}
+    ]
   }}
   {SYS_ACCOUNT} {{ users: [ {{ nkey: {system} }} ] }}
 }}
@@ -258,7 +309,11 @@ def fallback_config(
     principal as nkey users of one account, permissions inline."""
     cp = public_key(keys.control_plane_seed)
     system = public_key(keys.system_seed)
-    users = [f"      {{ nkey: {cp} }}"]
+    storage = public_key(keys.storage_seed)
+    users = [
+        f"      {{ nkey: {cp}, permissions: {_perm_text(control_plane_permissions(subjects))} }}",
+        f"      {{ nkey: {storage}, permissions: {_perm_text(storage_permissions(subjects))} }}",
+    ]
     for p in sorted(principals, key=lambda p: (p.kind, p.name)):
         nkey = public_key(fallback_seed(p.kind, p.name, p.stored_hash))
         perms = permissions(subjects, p.kind, p.name)
@@ -320,7 +375,10 @@ def embedded_args(config_path: str | os.PathLike[str]) -> Sequence[str]:
 
 
 def secure_embedded_args(
-    state_dir: str | os.PathLike[str], *, tls: TlsFiles | None = None
+    state_dir: str | os.PathLike[str],
+    *,
+    tls: TlsFiles | None = None,
+    subjects: Subjects | None = None,
 ) -> list[str]:
     """Keys (created once under ``state_dir/broker``) and the secure-mode config
     (rewritten each start), as ``extra_args`` for ``ops.embedded.EmbeddedNats``.
@@ -328,6 +386,7 @@ def secure_embedded_args(
     on the same ``state_dir`` serves the callout for it."""
     keys = BrokerKeys.load_or_create(Path(state_dir) / "broker")
     path = write_config(
-        Path(state_dir) / "broker" / "nats-secure.conf", secure_config(keys, tls=tls)
+        Path(state_dir) / "broker" / "nats-secure.conf",
+        secure_config(keys, tls=tls, subjects=subjects),
     )
     return list(embedded_args(path))

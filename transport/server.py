@@ -7,6 +7,10 @@ Every request goes through the same gate, in this order, and is refused at the
 first check it fails (typed ``Error{code, message}`` reply, nothing read or
 written past that point):
 
+0. the reply subject lies inside the inbox of the principal the subject names
+   (``Subjects.reply_allowed``); otherwise there is no reply at all, only a
+   ``reply_subject_refused`` warning, since the reply subject is the sender's
+   choice and the control plane must never publish elsewhere on its behalf;
 1. the subject parses as one of ours and names a known verb (``bad_request``);
 2. the bytes decode as exactly one envelope of the verb's message type, within
    the size and field limits, with no NUL characters in text bound for
@@ -66,7 +70,7 @@ from fleetlease.persistence.model import DeviceSnapshot, JournalEntry, LeaseTimi
 from fleetlease.transport import wire
 from fleetlease.transport.auth import AuthError, Verifier, session_key
 from fleetlease.transport.broker_auth import open_register_proof
-from fleetlease.transport.subjects import Channel, Subjects, queue_group
+from fleetlease.transport.subjects import IDENTIFY_VERB, Channel, Subjects, queue_group
 
 if TYPE_CHECKING:
     from fleetlease.persistence.repository import Repository
@@ -139,7 +143,9 @@ class OpsHandler(Protocol):
     """The user API behind the ops subjects (``ops/api.py``). ``handle`` returns
     any msgpack-able value or raises a ``RepositoryError`` (typed reply)."""
 
-    async def handle(self, verb: str, token: str, args: dict[str, Any]) -> Any: ...
+    async def handle(
+        self, verb: str, token: str, args: dict[str, Any], *, user: str | None
+    ) -> Any: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,6 +240,7 @@ class Server:
         heartbeat_s: float = 5.0,
         channels: Mapping[Channel, ChannelConfig] | None = None,
         connect_options: dict[str, Any] | None = None,
+        storage_connect_options: dict[str, Any] | None = None,
         replay_window_s: float | None = None,
         auth_clock: Clock | None = None,
     ) -> None:
@@ -255,6 +262,14 @@ class Server:
             server_secret, auth_clock or SystemClock(), subjects=self.subjects, **verifier_opts
         )
         self._connect_options = dict(connect_options or {})
+        # JetStream (staging, object store) goes through a connection of its own
+        # that never answers a client: on a secured broker the serving
+        # connections may publish only replies and the control plane's own
+        # subjects (``transport/broker_config.py``).
+        self._storage_connect_options = dict(
+            self._connect_options if storage_connect_options is None else storage_connect_options
+        )
+        self._storage_nc: NatsClient | None = None
         cfg = dict(DEFAULT_CHANNELS)
         cfg.update(channels or {})
         self._channels = {ch: _ChannelState(ch, cfg[ch]) for ch in Channel}
@@ -310,6 +325,9 @@ class Server:
                 # The subscriptions are live on the server once this returns.
                 assert state.nc is not None
                 await state.nc.flush()
+            self._storage_nc = await self._connect(
+                "fleetlease-server-storage", self._storage_connect_options
+            )
             self._events_nc = self._channels[Channel.OPS].nc
             jobs_nc = self._channels[Channel.JOBS].nc
             assert jobs_nc is not None
@@ -323,7 +341,7 @@ class Server:
         self._started = True
         log.info("server_started", prefix=self.subjects.prefix)
 
-    async def _connect(self, name: str) -> NatsClient:
+    async def _connect(self, name: str, options: dict[str, Any] | None = None) -> NatsClient:
         async def on_error(exc: Exception) -> None:
             log.warning("nats_error", connection=name, error=str(exc) or type(exc).__name__)
 
@@ -343,7 +361,7 @@ class Server:
             "disconnected_cb": on_disconnect,
             "reconnected_cb": on_reconnect,
         }
-        opts.update(self._connect_options)
+        opts.update(self._connect_options if options is None else options)
         return await nats.connect(self.nats_url, **opts)
 
     async def drain(self, grace_s: float = 10.0) -> None:
@@ -390,6 +408,10 @@ class Server:
                     await state.nc.close()
                 state.nc = None
                 state.sub = None
+        if self._storage_nc is not None:
+            with contextlib.suppress(Exception):
+                await self._storage_nc.close()
+            self._storage_nc = None
         self._io.shutdown(wait=False, cancel_futures=True)
         if self._started:
             log.info("server_stopped")
@@ -431,7 +453,7 @@ class Server:
             # free, a claim is answered without waiting.
             if (
                 state.poll_sem is not None
-                and msg.subject.endswith((".claim", ".ops.events"))
+                and msg.subject.endswith((".claim", ".events"))
                 and not state.poll_sem.locked()
             ):
                 sem, may_wait = state.poll_sem, True
@@ -456,6 +478,17 @@ class Server:
     ) -> None:
         try:
             await state.gate.wait()
+            if msg.reply and not self.subjects.reply_allowed(msg.subject, msg.reply):
+                # The reply subject is the sender's choice: answering outside its
+                # own inbox would publish with the control plane's rights.
+                inbox = self.subjects.reply_inbox(msg.subject)
+                log.warning(
+                    "reply_subject_refused",
+                    principal=inbox.principal if inbox else None,
+                    subject=msg.subject,
+                    reply=msg.reply[:256],
+                )
+                return
             reply = await self._answer(handler, msg, may_wait)
             state.handled += 1
             if msg.reply:
@@ -750,9 +783,9 @@ class Server:
         return f"{task_id}/{attempt}/{sha256}/{name}"
 
     async def _js(self) -> Any:
-        nc = self._channels[Channel.ARTIFACTS].nc
+        nc = self._storage_nc
         if nc is None:
-            raise Unavailable("the artifact channel is closed")
+            raise Unavailable("the artifact store connection is closed")
         return nc.jetstream(timeout=10.0)
 
     async def _staging(self) -> Any:
@@ -902,7 +935,7 @@ class Server:
     # --- ops and events ---------------------------------------------------------------
     async def _ops_message(self, msg: Msg, may_wait: bool) -> bytes:
         try:
-            verb = self.subjects.parse_ops_subject(msg.subject)
+            user, verb = self.subjects.parse_ops_subject(msg.subject)
         except ValueError as exc:
             raise wire.DecodeError("bad_subject", str(exc)) from None
         env = wire.decode(msg.data)
@@ -912,6 +945,8 @@ class Server:
             )
         if env.msg.verb != verb:
             raise wire.DecodeError("wrong_verb", "verb does not match the subject", field="verb")
+        if user is None and verb != IDENTIFY_VERB:  # parse_ops_subject guarantees it
+            raise wire.DecodeError("bad_subject", "name the user in the subject")
         _reject_nul(env.msg.args, "args")
         if self.ops is None:
             raise Unavailable("the user API is not served here")
@@ -919,7 +954,9 @@ class Server:
         if verb == "events" and isinstance(args, dict) and (not may_wait or self._stopping):
             # No long-poll slot (or stopping): answered without waiting.
             args = {**args, "wait_s": 0.0}
-        data = await self.ops.handle(verb, env.msg.token, args)
+        # The subject names the user (the broker lets each user publish only its
+        # own); the handler refuses a token that is not that user's.
+        data = await self.ops.handle(verb, env.msg.token, args, user=user)
         return wire.encode_reply(wire.OpsReply(data=data))
 
     def _on_event(self, event: Any) -> None:

@@ -96,6 +96,22 @@ class HostSubject(NamedTuple):
     verb: str
 
 
+class OpsSubject(NamedTuple):
+    #: None only for the identify request of a client that does not know its user.
+    user: str | None
+    verb: str
+
+
+class ReplyInbox(NamedTuple):
+    #: ``host:<id>``, ``user:<name>`` or ``anonymous`` (for logs).
+    principal: str
+    prefix: str
+
+
+#: The only verb a client that does not name its user may send.
+IDENTIFY_VERB = "whoami"
+
+
 class Subjects:
     """Subject builders under one prefix (default ``fleetlease``)."""
 
@@ -208,20 +224,43 @@ class Subjects:
     def ops_wildcard(self) -> str:
         return f"{self.prefix}.ops.>"
 
+    def ops_user_wildcard(self, user: str) -> str:
+        """Every ops subject of one user (what the broker lets that user publish)."""
+        return f"{self.prefix}.ops.{validate_token(user, 'user')}.>"
+
     # -- user API and events -------------------------------------------------
+    # The user is a token of every ops subject (``{prefix}.ops.{user}.{verb}``),
+    # as the host is of every host subject: the broker lets each user publish
+    # only its own, and the server answers only into that user's inbox with a
+    # token of that user.
 
-    def ops(self, verb: str) -> str:
-        return f"{self.prefix}.ops.{validate_token(verb, 'verb')}"
+    def ops(self, user: str, verb: str) -> str:
+        """``{prefix}.ops.{user}.{verb}``."""
+        return f"{self.prefix}.ops.{validate_token(user, 'user')}.{validate_token(verb, 'verb')}"
 
-    def parse_ops_subject(self, subject: str) -> str:
-        """The verb of an ops subject; ValueError on anything else."""
+    def ops_identify(self) -> str:
+        """``{prefix}.ops.whoami``: the one request of a client that does not know
+        its user yet (an open broker only; the reply goes into the anonymous
+        inbox tree, see :meth:`anon_inbox_prefix`)."""
+        return f"{self.prefix}.ops.{IDENTIFY_VERB}"
+
+    def parse_ops_subject(self, subject: str) -> OpsSubject:
+        """(user, verb) of an ops subject, user None for :meth:`ops_identify`;
+        ValueError on anything else."""
         head = f"{self.prefix}.ops."
         if not isinstance(subject, str) or not subject.startswith(head):
             raise ValueError(f"not an ops subject under {self.prefix!r}: {subject!r}")
-        verb = subject[len(head) :]
+        tokens = subject[len(head) :].split(".")
+        if tokens == [IDENTIFY_VERB]:
+            return OpsSubject(None, IDENTIFY_VERB)
+        if len(tokens) != 2:
+            raise ValueError(f"not an ops subject under {self.prefix!r}: {subject!r}")
+        user, verb = tokens
+        if not is_valid_token(user):
+            raise ValueError(f"bad user in subject {subject!r}")
         if not is_valid_token(verb):
             raise ValueError(f"bad ops verb in subject {subject!r}")
-        return verb
+        return OpsSubject(user, verb)
 
     def events_task(self) -> str:
         return f"{self.prefix}.events.task"
@@ -238,6 +277,55 @@ class Subjects:
     def ops_inbox_prefix(self, user: str) -> str:
         """An ``inbox_prefix`` for a CLI user's nats-py connection."""
         return f"_INBOX_{self.prefix}.ops.{validate_token(user, 'user')}"
+
+    def anon_inbox_prefix(self) -> str:
+        """The ``inbox_prefix`` of a client that does not know its user yet; only
+        :meth:`ops_identify` is answered there."""
+        return f"_INBOX_{self.prefix}.anon"
+
+    def client_inbox_wildcards(self) -> list[str]:
+        """Every client inbox of the fleet: what the control plane's serving
+        connections may publish to (its replies), and nothing else of clients."""
+        return [
+            f"_INBOX_{self.prefix}.host.*.>",
+            f"_INBOX_{self.prefix}.ops.*.>",
+            f"_INBOX_{self.prefix}.anon.>",
+        ]
+
+    def reply_inbox(self, subject: str) -> ReplyInbox | None:
+        """Who sent a request on ``subject`` and the inbox prefix its reply must
+        fall under; None if the subject names no principal. Judged by position
+        alone, as the broker's permissions are (a host publishes only under
+        ``{prefix}.host.<its id>.``, a user only under ``{prefix}.ops.<its
+        name>.``), so that a subject with an unknown verb still gets its typed
+        error in the sender's own inbox."""
+        if not isinstance(subject, str):
+            return None
+        tokens = subject.split(".")
+        n = len(self._prefix_tokens)
+        if tokens[:n] != self._prefix_tokens or len(tokens) < n + 2:
+            return None
+        kind, name, rest = tokens[n], tokens[n + 1], tokens[n + 2 :]
+        if kind == "host" and rest and is_valid_token(name):
+            return ReplyInbox(f"host:{name}", self.host_inbox_prefix(name))
+        if kind == "ops" and not rest:
+            return ReplyInbox("anonymous", self.anon_inbox_prefix())
+        if kind == "ops" and is_valid_token(name):
+            return ReplyInbox(f"user:{name}", self.ops_inbox_prefix(name))
+        return None
+
+    def reply_allowed(self, subject: str, reply: str) -> bool:
+        """Whether a request on ``subject`` may be answered on ``reply``: only
+        inside the requesting principal's own inbox (one token or more below its
+        prefix, no wildcard)."""
+        inbox = self.reply_inbox(subject)
+        if inbox is None or not isinstance(reply, str):
+            return False
+        head = inbox.prefix + "."
+        if not reply.startswith(head) or len(reply) == len(head):
+            return False
+        rest = reply[len(head) :].split(".")
+        return all(t and t not in ("*", ">") and not any(c.isspace() for c in t) for t in rest)
 
 
 def queue_group(channel: Channel) -> str:

@@ -2,7 +2,7 @@
 ``artifacts``, ``hosts``, ``devices``, ``host add|revoke|list``, ``user add``,
 ``project add``, ``whoami`` and ``watch``.
 
-Each one is a request on ``{prefix}.ops.{verb}`` carrying the user token (from
+Each one is a request on ``{prefix}.ops.{user}.{verb}`` carrying the user token (from
 ``--token``, ``FLEETLEASE_TOKEN`` or the context file written by ``fleetlease
 up``), answered by ``ops/api.py`` in the control plane. Output is a table, or
 with ``--json`` exactly the reply data (shapes in the README). Errors become one
@@ -76,6 +76,12 @@ def client_settings(args: argparse.Namespace) -> Settings:
         raise CliError(
             "no NATS URL: start `fleetlease up`, or pass --nats-url / set FLEETLEASE_NATS_URL",
             EXIT_UNAVAILABLE,
+        )
+    if settings.token is not None and not settings.token.strip():
+        raise CliError(
+            "empty user token: pass a token with --token or FLEETLEASE_TOKEN, or unset "
+            "both to use the admin token of `fleetlease up`",
+            EXIT_USAGE,
         )
     if not settings.token:
         raise CliError(

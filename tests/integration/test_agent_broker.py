@@ -28,6 +28,7 @@ import pytest
 
 from fleetlease.ops.embedded import EmbeddedNats
 from fleetlease.transport.broker_config import secure_embedded_args
+from fleetlease.transport.subjects import Subjects
 
 pytestmark = pytest.mark.embedded
 
@@ -131,7 +132,9 @@ async def secured(tmp_path: Path, db_url: str, subject_prefix: str) -> AsyncIter
     from fleetlease.ops.service import ControlPlaneService
 
     state = tmp_path / "state"
-    server = EmbeddedNats(tmp_path / "nats", extra_args=secure_embedded_args(state))
+    server = EmbeddedNats(
+        tmp_path / "nats", extra_args=secure_embedded_args(state, subjects=Subjects(subject_prefix))
+    )
     await asyncio.to_thread(server.start)
     service = ControlPlaneService(
         database_url=db_url,

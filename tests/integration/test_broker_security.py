@@ -205,7 +205,7 @@ async def _broker(
     ca: Path | None = None,
 ) -> AsyncIterator[Broker]:
     keys = BrokerKeys.load_or_create(tmp / "broker")
-    cfg = write_config(tmp / "nats.conf", secure_config(keys, tls=tls))
+    cfg = write_config(tmp / "nats.conf", secure_config(keys, tls=tls, subjects=Subjects(prefix)))
     server = EmbeddedNats(tmp / "nats", extra_args=list(embedded_args(cfg)))
     await asyncio.to_thread(server.start)
     ctx = ssl.create_default_context(cafile=str(ca)) if ca is not None else None
@@ -326,7 +326,7 @@ async def test_a_host_may_publish_on_its_own_subjects_only(broker: Broker) -> No
     for subject in (
         broker.subjects.heartbeat("h2"),
         broker.subjects.claim("h2"),
-        broker.subjects.ops("submit"),
+        broker.subjects.ops("alice", "submit"),
         broker.subjects.events_task(),
     ):
         await h1.nc.publish(subject, b"forged")
@@ -348,10 +348,14 @@ async def test_an_ops_user_may_use_ops_subjects_and_its_own_inbox_only(broker: B
     await cp.subscribe(broker.subjects.ops_wildcard(), cb=answer)
     await cp.flush()
     alice = await broker.user("alice", token)
-    reply = await alice.nc.request(broker.subjects.ops("whoami"), b"", timeout=WAIT_S)
+    reply = await alice.nc.request(broker.subjects.ops("alice", "whoami"), b"", timeout=WAIT_S)
     assert reply.data == b"ok"
     await alice.nc.publish(broker.subjects.heartbeat("h1"), b"forged")
     await alice.expect_error("permissions violation", "publish")
+    # Another user's ops subjects, and the identify subject, are not hers.
+    for subject in (broker.subjects.ops("bob", "whoami"), broker.subjects.ops_identify()):
+        await alice.nc.publish(subject, b"forged")
+        await alice.expect_error("permissions violation", "publish", subject)
     for subject in (broker.subjects.ops_wildcard(), f"{broker.subjects.host_inbox_prefix('h1')}.>"):
         await alice.nc.subscribe(subject)
         await alice.expect_error("permissions violation", "subscription", subject)
@@ -645,7 +649,9 @@ async def test_secure_embedded_args_and_service_option_work_together(
     except NotImplementedError:
         pytest.skip("the repository bodies have not landed yet")
     state = tmp_path / "state"
-    server = EmbeddedNats(tmp_path / "nats", extra_args=secure_embedded_args(state))
+    server = EmbeddedNats(
+        tmp_path / "nats", extra_args=secure_embedded_args(state, subjects=Subjects(subject_prefix))
+    )
     await asyncio.to_thread(server.start)
     service = ControlPlaneService(
         database_url=db_url,

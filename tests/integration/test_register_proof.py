@@ -23,6 +23,7 @@ from fleetlease.transport import wire
 from fleetlease.transport.broker_auth import register_proof
 from fleetlease.transport.client import HostClient
 from fleetlease.transport.subjects import Subjects
+from tests.inbox import request as principal_request
 
 WAIT_S = 10.0
 
@@ -53,7 +54,8 @@ def _proof_register(host_id: str, credential: str, *, ts_ms: int | None = None) 
 
 
 async def _code(nc: nats.NATS, subject: str, data: bytes) -> str:
-    reply = await nc.request(subject, data, timeout=WAIT_S)
+    prefix = subject.rsplit(".host.", 1)[0]  # every subject here is a host's
+    reply = await principal_request(nc, Subjects(prefix), subject, data, WAIT_S)
     try:
         wire.decode_reply(reply.data, wire.RegisterOk)
     except wire.RemoteError as exc:

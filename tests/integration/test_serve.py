@@ -23,6 +23,7 @@ from fleetlease.persistence.repository import Repository
 from fleetlease.transport import wire
 from fleetlease.transport.client import HostClient
 from fleetlease.transport.subjects import Subjects
+from tests.inbox import request as principal_request
 
 pytestmark = pytest.mark.embedded
 
@@ -274,10 +275,11 @@ async def test_ops_subject_is_served_by_serve(
     try:
         s = Subjects(subject_prefix)
         req = wire.encode(wire.OpsRequest(token=token, verb="whoami"))
-        reply = wire.decode((await nc.request(s.ops("whoami"), req, timeout=10)).data).msg
+        whoami = s.ops("alice", "whoami")
+        reply = wire.decode((await principal_request(nc, s, whoami, req)).data).msg
         assert isinstance(reply, wire.OpsReply), reply
         bad = wire.encode(wire.OpsRequest(token="nope", verb="whoami"))
-        reply = wire.decode((await nc.request(s.ops("whoami"), bad, timeout=10)).data).msg
+        reply = wire.decode((await principal_request(nc, s, whoami, bad)).data).msg
         assert isinstance(reply, wire.Error) and reply.code == "unauthorized"
     finally:
         await nc.close()

@@ -37,6 +37,7 @@ from fleetlease.transport.client import HostClient
 from fleetlease.transport.server import HOST_VERBS as VERB_TYPES
 from fleetlease.transport.server import Server
 from fleetlease.transport.subjects import HOST_VERBS, Channel, Subjects
+from tests.inbox import request as principal_request
 
 pytestmark = pytest.mark.embedded
 
@@ -133,7 +134,7 @@ class System:
         return out
 
     async def raw(self, subject: str, data: bytes) -> wire.Message:
-        reply = await self.nc.request(subject, data, timeout=15)
+        reply = await principal_request(self.nc, self.subjects, subject, data, 15)
         return wire.decode(reply.data).msg
 
     async def code(self, subject: str, data: bytes) -> str:
@@ -345,7 +346,7 @@ async def test_garbage_and_malformed_messages_change_nothing(system: System) -> 
     h = await system.host("h1")
     a = await system.running(h)
     signer = h.signer()
-    subjects = [*_every_host_subject(system.subjects, "h1"), system.subjects.ops("whoami")]
+    subjects = [*_every_host_subject(system.subjects, "h1"), system.subjects.ops("alice", "whoami")]
     for subject in subjects:
         for data in (b"", os.urandom(40), msgpack.packb({"v": 1, "t": "nope", "b": b"\x80"})):
             await system.refused_without_change(subject, data, "bad_request")
@@ -396,14 +397,14 @@ async def test_hypothesis_messages_on_every_subject_change_nothing(
     if not system.hosts:
         await system.host("h1")
     h = system.hosts[0]
-    subjects = [*_every_host_subject(system.subjects, "h1"), system.subjects.ops("tasks")]
+    subjects = [*_every_host_subject(system.subjects, "h1"), system.subjects.ops("alice", "tasks")]
     subject = subjects[pick % len(subjects)]
     body = value if isinstance(value, dict) else {"x": value}
     raw_body = bytes(msgpack.packb(body, use_bin_type=True))
     # Every field of Claim, Heartbeat and Reconcile has a default and unknown
     # fields are ignored, so a signed body of unknown keys on the matching subject
     # is a real request (an empty poll, an empty snapshot): not junk.
-    if signed and subject != system.subjects.ops("tasks"):
+    if signed and subject != system.subjects.ops("alice", "tasks"):
         verb = system.subjects.parse_host_subject(subject)
         expected = VERB_TYPES.get((verb.channel, verb.verb))
         if expected is not None and t == expected.TYPE:
@@ -563,7 +564,9 @@ async def test_stalled_logs_and_artifacts_never_delay_control_and_jobs(system: S
     chunk_subject = system.subjects.artifact_chunk("h1")
     piled = [
         asyncio.ensure_future(
-            system.nc.request(
+            principal_request(
+                system.nc,
+                system.subjects,
                 log_subject,
                 signer.seal(
                     log_subject,
@@ -577,7 +580,9 @@ async def test_stalled_logs_and_artifacts_never_delay_control_and_jobs(system: S
         for i in range(40)
     ] + [
         asyncio.ensure_future(
-            system.nc.request(
+            principal_request(
+                system.nc,
+                system.subjects,
                 chunk_subject,
                 signer.seal(
                     chunk_subject,

@@ -34,6 +34,7 @@ from fleetlease.transport import wire
 from fleetlease.transport.auth import Signer, session_key
 from fleetlease.transport.server import ChannelConfig, Server
 from fleetlease.transport.subjects import HOST_VERBS, Channel, Subjects
+from tests.inbox import request as principal_request
 
 pytestmark = pytest.mark.embedded
 
@@ -132,7 +133,7 @@ class Edge:
     cp: StubControlPlane
 
     async def raw(self, subject: str, data: bytes, timeout: float = 10.0) -> wire.Message:
-        reply = await self.nc.request(subject, data, timeout=timeout)
+        reply = await principal_request(self.nc, self.subjects, subject, data, timeout)
         return wire.decode(reply.data).msg
 
     async def code(self, subject: str, data: bytes) -> str:
@@ -183,7 +184,7 @@ def all_host_subjects(s: Subjects, host_id: str = "ha") -> list[str]:
 
 
 def all_subjects(s: Subjects) -> list[str]:
-    return [*all_host_subjects(s), s.ops("whoami"), s.ops("submit")]
+    return [*all_host_subjects(s), s.ops("alice", "whoami"), s.ops("alice", "submit")]
 
 
 def envelope(t: Any, body: Any, auth: Any = None, v: Any = 1) -> bytes:
@@ -637,9 +638,9 @@ async def test_a_claim_without_a_free_long_poll_slot_is_answered_without_waiting
 
 async def test_unknown_ops_verb_and_subject_outside_the_tree_are_bad_request(edge: Edge) -> None:
     req = wire.encode(wire.OpsRequest(token="x", verb="whoami"))
-    assert await edge.code(edge.subjects.ops("submit"), req) == "bad_request"  # verb mismatch
+    assert await edge.code(edge.subjects.ops("alice", "submit"), req) == "bad_request"
     # No user API behind this server: a well-formed request is 'unavailable'.
-    assert await edge.code(edge.subjects.ops("whoami"), req) == "unavailable"
+    assert await edge.code(edge.subjects.ops("alice", "whoami"), req) == "unavailable"
     # A host subject with a verb the channel does not have.
     bogus = f"{edge.subjects.prefix}.host.ha.jobs.explode"
     assert await edge.code(bogus, wire.encode(wire.Heartbeat())) == "bad_request"

@@ -191,9 +191,9 @@ def test_host_mismatch_is_forbidden(clock: ManualClock) -> None:
 
 def test_non_host_subject_is_forbidden(clock: ManualClock) -> None:
     signer, verifier = _pair(clock)
-    env = _sealed(signer, S.ops("submit"))
+    env = _sealed(signer, S.ops("alice", "submit"))
     with pytest.raises(AuthError) as info:
-        verifier.verify_envelope(S.ops("submit"), env, 4)
+        verifier.verify_envelope(S.ops("alice", "submit"), env, 4)
     assert info.value.code == "forbidden"
 
 

@@ -34,7 +34,9 @@ def test_default_prefix_builds_the_documented_trees() -> None:
     assert S.log_append("h1") == "fleetlease.host.h1.logs.append"
     assert S.artifact_chunk("h1") == "fleetlease.host.h1.artifacts.chunk"
     assert S.artifact_commit("h1") == "fleetlease.host.h1.artifacts.commit"
-    assert S.ops("submit") == "fleetlease.ops.submit"
+    assert S.ops("alice", "submit") == "fleetlease.ops.alice.submit"
+    assert S.ops_identify() == "fleetlease.ops.whoami"
+    assert S.ops_user_wildcard("alice") == "fleetlease.ops.alice.>"
     assert S.events_task() == "fleetlease.events.task"
 
 
@@ -81,7 +83,15 @@ def test_non_str_host_id_is_rejected() -> None:
 @pytest.mark.parametrize("verb", BAD_TOKENS)
 def test_bad_ops_verb_is_rejected(verb: str) -> None:
     with pytest.raises(ValueError, match="verb"):
-        S.ops(verb)
+        S.ops("alice", verb)
+
+
+@pytest.mark.parametrize("user", BAD_TOKENS)
+def test_bad_ops_user_is_rejected(user: str) -> None:
+    with pytest.raises(ValueError, match="user"):
+        S.ops(user, "whoami")
+    with pytest.raises(ValueError, match="user"):
+        S.ops_user_wildcard(user)
 
 
 def test_verb_must_belong_to_its_channel() -> None:
@@ -145,15 +155,75 @@ def test_parse_host_subject_raises_only_value_error(subject: str) -> None:
 
 
 def test_parse_ops_subject() -> None:
-    assert S.parse_ops_subject("fleetlease.ops.whoami") == "whoami"
-    for bad in ["fleetlease.ops.", "fleetlease.ops.a.b", "fleetlease.host.h.jobs.claim"]:
+    assert S.parse_ops_subject("fleetlease.ops.alice.tasks") == ("alice", "tasks")
+    assert S.parse_ops_subject("fleetlease.ops.whoami") == (None, "whoami")
+    for bad in [
+        "fleetlease.ops.",
+        "fleetlease.ops.tasks",  # a verb without a user: only whoami identifies
+        "fleetlease.ops.a.b.c",
+        "fleetlease.ops.a.",
+        "fleetlease.ops..b",
+        "fleetlease.ops.a*.b",
+        "fleetlease.host.h.jobs.claim",
+    ]:
         with pytest.raises(ValueError):
             S.parse_ops_subject(bad)
 
 
 def test_known_ops_verbs_are_valid_tokens() -> None:
     for verb in OPS_VERBS:
-        assert S.parse_ops_subject(S.ops(verb)) == verb
+        assert S.parse_ops_subject(S.ops("bob", verb)) == ("bob", verb)
+
+
+def test_a_reply_is_allowed_only_in_the_requesters_own_inbox() -> None:
+    alice = S.ops("alice", "whoami")
+    host = S.claim("h1")
+    assert S.reply_allowed(alice, "_INBOX_fleetlease.ops.alice.abc.1")
+    assert S.reply_allowed(host, "_INBOX_fleetlease.host.h1.xyz")
+    assert S.reply_allowed(S.ops_identify(), "_INBOX_fleetlease.anon.q")
+    for subject, reply in [
+        (alice, "$JS.API.STREAM.PURGE.OBJ_fleetlease-artifacts-fleetlease"),
+        (alice, "$O.bucket.C.x"),
+        (alice, "$KV.b.k"),
+        (alice, "$SYS.REQ.SERVER.PING"),
+        (alice, "_INBOX_fleetlease.ops.bob.abc"),  # another user's inbox
+        (alice, "_INBOX_fleetlease.ops.alicex.abc"),  # a prefix of a name is not it
+        (alice, "_INBOX_fleetlease.ops.alice"),  # the prefix itself
+        (alice, "_INBOX_fleetlease.ops.alice."),
+        (alice, "_INBOX_fleetlease.ops.alice.a..b"),
+        (alice, "_INBOX_fleetlease.ops.alice.>"),
+        (alice, "_INBOX_fleetlease.ops.alice.*"),
+        (alice, "_INBOX_fleetlease.host.alice.abc"),
+        (alice, "fleetlease.host.h1.jobs.claim"),
+        (host, "_INBOX_fleetlease.host.h2.abc"),  # another host's inbox
+        (host, "_INBOX_fleetlease.ops.h1.abc"),
+        (host, "$JS.API.STREAM.PURGE.x"),
+        (S.ops_identify(), "_INBOX_fleetlease.ops.alice.abc"),
+        ("fleetlease.events.task", "_INBOX_fleetlease.anon.q"),  # names no principal
+    ]:
+        assert not S.reply_allowed(subject, reply), (subject, reply)
+    assert S.reply_inbox(alice) == ("user:alice", "_INBOX_fleetlease.ops.alice")
+    assert S.reply_inbox(host) == ("host:h1", "_INBOX_fleetlease.host.h1")
+    assert S.reply_inbox("nonsense") is None
+    # By position, as the broker's permissions: an unknown verb still gets its
+    # typed error, in the sender's own inbox.
+    assert S.reply_allowed("fleetlease.host.h1.jobs.explode", "_INBOX_fleetlease.host.h1.a")
+    assert S.reply_allowed("fleetlease.ops.alice.nope.x", "_INBOX_fleetlease.ops.alice.a")
+    assert S.reply_allowed("fleetlease.ops.tasks", "_INBOX_fleetlease.anon.a")
+    assert S.reply_inbox("fleetlease.host.h*.jobs.claim") is None
+    assert S.reply_inbox("fleetlease.host.h1") is None
+    assert S.reply_inbox("other.host.h1.jobs.claim") is None
+
+
+def test_client_inboxes_are_disjoint_from_the_system_subjects() -> None:
+    wildcards = S.client_inbox_wildcards()
+    assert wildcards == [
+        "_INBOX_fleetlease.host.*.>",
+        "_INBOX_fleetlease.ops.*.>",
+        "_INBOX_fleetlease.anon.>",
+    ]
+    for w in wildcards:
+        assert not w.startswith(("$", "_INBOX.", "fleetlease."))
 
 
 def test_inbox_prefixes_keep_hosts_and_users_apart() -> None:
@@ -163,3 +233,5 @@ def test_inbox_prefixes_keep_hosts_and_users_apart() -> None:
     assert not S.ops_inbox_prefix("alice").startswith(S.host_inbox_prefix("ops") + ".")
     with pytest.raises(ValueError, match="user"):
         S.ops_inbox_prefix("a.b")
+    assert S.anon_inbox_prefix() == "_INBOX_fleetlease.anon"
+    assert not S.anon_inbox_prefix().startswith(S.ops_inbox_prefix("anon"))

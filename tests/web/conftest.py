@@ -18,6 +18,7 @@ from fleetlease.ops.service import ControlPlaneService
 from fleetlease.ops.web.app import WebSettings
 from fleetlease.ops.web.server import RunningConsole, start_console
 from fleetlease.transport.broker_config import secure_embedded_args
+from fleetlease.transport.subjects import Subjects
 from tests.integration.test_agent import RunningAgent
 from tests.integration.test_agent import System as AgentHarness
 from tests.integration.test_ops_cli import System
@@ -82,7 +83,10 @@ async def secure_system(
     db_url: str, subject_prefix: str, tmp_path: Path
 ) -> AsyncIterator[SecureSystem]:
     state = tmp_path / "secure-state"
-    server = EmbeddedNats(tmp_path / "secure-nats", extra_args=secure_embedded_args(state))
+    server = EmbeddedNats(
+        tmp_path / "secure-nats",
+        extra_args=secure_embedded_args(state, subjects=Subjects(subject_prefix)),
+    )
     await asyncio.to_thread(server.start)
     service = ControlPlaneService(
         database_url=db_url,
