@@ -61,6 +61,10 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def found(root: Path, pattern: str) -> list[Path]:
+    return list(root.rglob(pattern))
+
+
 def read_pids(path: Path) -> list[int]:
     try:
         return [int(p) for p in path.read_text().split()]
@@ -156,14 +160,14 @@ steps:
     assert out.outcome is Outcome.DONE
     assert f"got {evil}" in sink.lines
     assert not any("owned" in line for line in sink.lines if not line.startswith("got "))
-    assert not list(tmp_path.rglob("owned*"))
+    assert not found(tmp_path, "owned*")
 
 
 async def test_a_bad_input_fails_the_attempt_without_running_anything(tmp_path: Path) -> None:
     wf = define(tmp_path, "name: w\ninputs:\n  n: {type: integer}\nsteps:\n  - run: touch ran\n")
     out = await runner(tmp_path, wf).run(Sink().context("w", {"inputs": {"n": "x"}}))
     assert out.outcome is Outcome.FAILED and not out.retryable and "must be a integer" in out.reason
-    assert not list(tmp_path.rglob("ran"))
+    assert not found(tmp_path, "ran")
 
 
 async def test_the_agents_secrets_never_reach_a_step(tmp_path: Path) -> None:

@@ -78,7 +78,7 @@ def test_inputs_get_defaults_types_and_refuse_unknown_or_missing(tmp_path: Path)
         ("name: x\nsteps:\n  - run: a\n    timeout: -1\n", 4, "more than 0"),
         ("name: x\nsteps:\n  - run: a\n    env: {FLEETLEASE_X: x}\n", 4, "set by the runner"),
         ("name: x\nsteps:\n  - run: a\n    artifacts: ['../up']\n", 4, "inside the workspace"),
-        ("name: x\ninputs:\n  n: {type: integer, default: nope}\nsteps:\n  - run: a\n", 3, "default"),
+        ("name: x\ninputs:\n  n: {type: integer, default: no}\nsteps:\n  - run: a\n", 3, "default"),
         ("name: x\nsteps:\n  - run: a\n  - run: [unclosed\n", 5, "not valid YAML"),
         ("steps:\n  - run: a\n", 1, "'name' is required"),
         ("name: a b\nsteps:\n  - run: a\n", 1, "name is letters"),
