@@ -51,6 +51,8 @@ from fleetlease.ops.logging import configure_logging
 from fleetlease.transport import wire
 
 SUBMIT_CHUNK = 100
+#: The longest page of ``tasks`` the control plane returns.
+MAX_LIST_PAGE = 1000
 SUBMIT_RETRY_PAUSE_S = 0.5
 FOLLOW_POLL_S = 0.5
 LOG_PAGE = 1000
@@ -209,7 +211,19 @@ def register(sub: Any) -> None:
     p = cmd("tasks", "list the tasks you may see", cmd_tasks)
     p.add_argument("--state", action="append", choices=TASK_STATES, default=[], help="repeatable")
     p.add_argument("--host", help="only tasks whose current attempt is on this host")
-    p.add_argument("--limit", type=positive_int, default=100, help="at most N (default 100)")
+    p.add_argument("--project", help="only tasks of this project")
+    p.add_argument(
+        "--request-id", help="only the tasks one submit made (its request id, printed first)"
+    )
+    p.add_argument(
+        "--limit",
+        type=positive_int,
+        default=100,
+        help=f"at most N, up to {MAX_LIST_PAGE} (default 100)",
+    )
+    p.add_argument(
+        "--cursor", help="start after the task with this cursor (printed when more remain)"
+    )
 
     task = sub.add_parser("task", help="one task").add_subparsers(
         dest="task_command", metavar="COMMAND", required=True
@@ -372,9 +386,18 @@ def _progress(description: str, total: int) -> Any:
 def cmd_tasks(args: argparse.Namespace) -> int:
     async def body(client: OpsClient) -> None:
         data = await client.call(
-            "tasks", states=args.state or None, host=args.host, limit=args.limit
+            "tasks",
+            states=args.state or None,
+            host=args.host,
+            project=args.project,
+            request_id=args.request_id,
+            limit=args.limit,
+            cursor=args.cursor,
         )
         output(args, data, render.print_tasks)
+        if len(data) == args.limit and data:
+            # stderr: stdout stays exactly the data.
+            print(f"more tasks: --cursor {data[-1]['cursor']}", file=sys.stderr)
 
     return run(args, body)
 
