@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from fleetlease.persistence.bulk import MAX_CANCEL_BATCH, BulkCancel, CancelFilter
 from fleetlease.persistence.errors import Forbidden, Invalid, NotFound, Unauthorized
 from fleetlease.persistence.model import RetryPolicy, TaskKind, TaskSpec, TaskState, User
 from fleetlease.persistence.reads import MAX_PAGE, Reads
@@ -470,6 +471,7 @@ class OpsApi:
             raise ValueError("control_plane is required")
         self.repo = repo
         self.reads = Reads(repo)
+        self.bulk = BulkCancel(repo)
         self.cp = control_plane
         self.service = service
         self.feed = EventFeed()
@@ -483,6 +485,7 @@ class OpsApi:
             "tasks": self.tasks,
             "task_show": self.task_show,
             "cancel": self.cancel,
+            "cancel_many": self.cancel_many,
             "logs": self.logs,
             "artifacts": self.artifacts,
             "artifact_get": self.artifact_get,
@@ -608,6 +611,39 @@ class OpsApi:
         a = Args(args, ("id",))
         record = await self.cp.cancel(a.task_id(), user)
         return project_cancel(record)
+
+    async def cancel_many(self, user: User, args: Any) -> dict[str, Any]:
+        """One batch (one transaction) of a bulk cancel of waiting tasks of a
+        project, oldest first: ``cancelled`` tasks (``ids``), how many
+        ``matched`` before it, and the ``bound`` to pass on (tasks submitted
+        after the first batch are never taken). ``dry_run``: only count."""
+        a = Args(args, ("project", "states", "host", "older_than_s", "bound", "limit", "dry_run"))
+        f = CancelFilter(
+            project=a.name("project", required=True),
+            states=a.names("states", choices=_STATES) or [TaskState.QUEUED.value],
+            host_id=a.name("host"),
+            older_than_s=a.number("older_than_s", lo=0.0, hi=10 * 365 * 86400.0),
+            bound=a.integer("bound", lo=0, hi=2**63 - 1),
+        )
+        limit = a.integer("limit", lo=1, hi=MAX_CANCEL_BATCH, default=MAX_CANCEL_BATCH)
+        dry_run = a.flag("dry_run")
+        batch = await self.bulk.batch(user, f, limit=limit, dry_run=dry_run)
+        if batch.cancelled:
+            at = self.repo.clock.now().isoformat()
+            self.feed.add(
+                [
+                    {"task_id": tid, "state": "cancelled", "attempt": n, "host_id": None, "at": at}
+                    for tid, n in batch.cancelled
+                ]
+            )
+            log.info("tasks_cancelled", count=len(batch.cancelled), project=f.project, by=user.name)
+        return {
+            "cancelled": len(batch.cancelled),
+            "ids": [tid for tid, _ in batch.cancelled],
+            "matched": batch.matched,
+            "bound": batch.bound,
+            "more": batch.matched > len(batch.cancelled) and not dry_run,
+        }
 
     async def events(self, user: User, args: Any) -> dict[str, Any]:
         """Long-poll of the task events this user may read. Without ``after``: the

@@ -46,11 +46,15 @@ from fleetlease.ops.client import (
     normalize_event,
     task_events,
 )
+from fleetlease.ops.commands.bulk import add_bulk_cancel_args
 from fleetlease.ops.config import Settings, from_args, read_context
 from fleetlease.ops.logging import configure_logging
 from fleetlease.transport import wire
 
 SUBMIT_CHUNK = 100
+#: The most tasks one ``submit --count`` makes without ``--allow-large``, and with it.
+MAX_SUBMIT_COUNT = 10_000
+MAX_SUBMIT_COUNT_LARGE = 1_000_000
 #: The longest page of ``tasks`` the control plane returns.
 MAX_LIST_PAGE = 1000
 SUBMIT_RETRY_PAUSE_S = 0.5
@@ -201,7 +205,16 @@ def register(sub: Any) -> None:
     p.add_argument("--max-attempts", type=positive_int, help="attempts before failing (default 3)")
     p.add_argument("--backoff", type=float, help="retry backoff base in seconds (default 1)")
     p.add_argument("--project", help="project (default: default)")
-    p.add_argument("--count", type=positive_int, help="submit N identical tasks")
+    p.add_argument(
+        "--count",
+        type=positive_int,
+        help=f"submit N identical tasks (at most {MAX_SUBMIT_COUNT} without --allow-large)",
+    )
+    p.add_argument(
+        "--allow-large",
+        action="store_true",
+        help=f"allow --count above {MAX_SUBMIT_COUNT} (up to {MAX_SUBMIT_COUNT_LARGE})",
+    )
     p.add_argument(
         "--request-id",
         help="idempotency key: repeating a submit with it returns the first task(s) instead "
@@ -233,8 +246,13 @@ def register(sub: Any) -> None:
     )
     p.add_argument("id", help="task id")
 
-    p = cmd("cancel", "cancel a task (idempotent)", cmd_cancel)
-    p.add_argument("id", help="task id")
+    p = cmd(
+        "cancel",
+        "cancel a task (idempotent), or every waiting task of a project matching the filters",
+        cmd_cancel,
+    )
+    p.add_argument("id", nargs="?", help="task id (or, instead, --project and filters)")
+    add_bulk_cancel_args(p)
 
     p = cmd("logs", "a task's log lines", cmd_logs)
     p.add_argument("id", help="task id")
@@ -315,6 +333,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         "project": args.project,
     }
     count = args.count or 1
+    limit = MAX_SUBMIT_COUNT_LARGE if args.allow_large else MAX_SUBMIT_COUNT
+    if count > limit:
+        more = "" if args.allow_large else " (pass --allow-large for more)"
+        raise CliError(f"--count must be at most {limit}{more}", EXIT_USAGE)
     request_id = args.request_id or uuid.uuid4().hex
 
     async def submit(client: OpsClient, **more: Any) -> Any:
@@ -345,6 +367,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(data["id"])
 
     async def batch(client: OpsClient) -> None:
+        # First, so that an interrupted submit can be found and repeated.
+        print(
+            f"request id {request_id}: `fleetlease tasks --request-id {request_id}` lists "
+            f"its tasks; repeating the submit with --request-id {request_id} makes only "
+            "the missing ones",
+            file=sys.stderr,
+            flush=True,
+        )
         ids: list[str] = []
         with _progress(f"submitting {count} tasks", count) as advance:
             while len(ids) < count:
@@ -354,7 +384,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 ids.extend(data["ids"])
                 advance(n)
         if args.json:
-            render.print_json({"ids": ids})
+            render.print_json({"ids": ids, "request_id": request_id})
         else:
             for task_id in ids:
                 print(task_id)
@@ -410,6 +440,16 @@ def cmd_task_show(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    bulk = bool(args.state or args.project or args.host or args.older_than is not None)
+    if args.id is not None and bulk:
+        raise CliError("give a task id or bulk filters (--project ...), not both", EXIT_USAGE)
+    if args.id is None and not args.project:
+        raise CliError("give a task id, or --project P to cancel its waiting tasks", EXIT_USAGE)
+    if bulk:
+        from fleetlease.ops.commands.bulk import cmd_cancel_many
+
+        return cmd_cancel_many(args)
+
     async def body(client: OpsClient) -> None:
         output(args, await client.call("cancel", id=args.id), render.print_cancel)
 
