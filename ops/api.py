@@ -34,6 +34,7 @@ from datetime import datetime
 from enum import Enum
 from typing import Any, Protocol
 
+import msgpack
 import structlog
 
 from fleetlease.persistence.bulk import MAX_CANCEL_BATCH, BulkCancel, CancelFilter
@@ -48,6 +49,9 @@ log = structlog.get_logger("fleetlease.ops")
 MAX_BATCH = 1000
 #: The longest page of ``tasks`` (and of ``events``): README, "JSON output".
 MAX_LIST = MAX_PAGE
+#: The most bytes of tasks one ``tasks`` reply carries (a reply must fit in one
+#: NATS message, 1 MiB by default; long goals or large results would not).
+MAX_LIST_BYTES = 768 * 1024
 MAX_LOG_PAGE = 1000
 MAX_TEXT = 4096
 MAX_NAME = 128
@@ -590,7 +594,9 @@ class OpsApi:
     async def tasks(self, user: User, args: Any) -> list[dict[str, Any]]:
         """One page of the tasks the user may read, newest first, without
         payloads or selectors. Each carries its ``cursor``: passed back as
-        ``cursor``, the next page starts after that task."""
+        ``cursor``, the next page starts after that task. A page holds fewer
+        than ``limit`` tasks at the end of the list, or when its tasks fill
+        ``MAX_LIST_BYTES``: the end of the list is an empty page."""
         a = Args(args, ("states", "host", "limit", "cursor", "project", "request_id"))
         rows = await self.reads.list_tasks(
             user,
@@ -601,7 +607,15 @@ class OpsApi:
             limit=a.integer("limit", lo=1, hi=MAX_LIST, default=100),
             cursor=a.text("cursor", max_len=32),
         )
-        return [project_task(r, with_attempts=False) for r in rows]
+        page: list[dict[str, Any]] = []
+        size = 0
+        for row in rows:
+            task = project_task(row, with_attempts=False)
+            size += len(msgpack.packb(task))
+            if page and size > MAX_LIST_BYTES:
+                break  # the rest on the next page (after the last cursor)
+            page.append(task)
+        return page
 
     async def task_show(self, user: User, args: Any) -> dict[str, Any]:
         a = Args(args, ("id",))

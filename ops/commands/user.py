@@ -415,17 +415,19 @@ def _progress(description: str, total: int) -> Any:
 
 def cmd_tasks(args: argparse.Namespace) -> int:
     async def body(client: OpsClient) -> None:
-        data = await client.call(
-            "tasks",
-            states=args.state or None,
-            host=args.host,
-            project=args.project,
-            request_id=args.request_id,
-            limit=args.limit,
-            cursor=args.cursor,
-        )
+        query: dict[str, Any] = {
+            "states": args.state or None,
+            "host": args.host,
+            "project": args.project,
+            "request_id": args.request_id,
+        }
+        data = await client.call("tasks", **query, limit=args.limit, cursor=args.cursor)
+        rest: list[Any] = []
         output(args, data, render.print_tasks)
-        if len(data) == args.limit and data:
+        if data and len(data) < args.limit:
+            # A short page is the end, or was cut at the reply's size: ask for one more.
+            rest = await client.call("tasks", **{**query, "limit": 1, "cursor": data[-1]["cursor"]})
+        if data and (len(data) == args.limit or rest):
             # stderr: stdout stays exactly the data.
             print(f"more tasks: --cursor {data[-1]['cursor']}", file=sys.stderr)
 

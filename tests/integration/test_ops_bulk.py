@@ -53,6 +53,15 @@ async def test_a_bulk_submit_names_its_request_id_first_and_tasks_finds_its_task
         await system.cli("tasks", "--request-id", key, "--limit", "1000", "--json", token=admin)
     ).json()
     assert sorted(x["id"] for x in listed) == sorted(data["ids"]) and len(listed) == 150
+    # Two pages with the cursor the first names on stderr; the last names none.
+    first = await system.cli("tasks", "--request-id", key, "--limit", "100", "--json", token=admin)
+    assert first.err.startswith("more tasks: --cursor "), first.err
+    cursor = first.err.split()[-1]
+    rest = await system.cli(
+        "tasks", "--request-id", key, "--limit", "100", "--cursor", cursor, "--json", token=admin
+    )
+    assert "more tasks" not in rest.err, rest.err
+    assert sorted(x["id"] for x in first.json() + rest.json()) == sorted(data["ids"])
     # Repeated with its request id (as after an interruption): the same tasks, no more.
     again = await system.cli(
         "submit", "--goal", "g", "--count", "150", "--request-id", key, "--json", token=admin

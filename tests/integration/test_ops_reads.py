@@ -89,15 +89,20 @@ async def ops(
         await nc.close()
 
 
-def _spec(i: int, payload_bytes: int = 0) -> TaskSpec:
+def _spec(i: int, payload_bytes: int = 0, goal_chars: int = 0) -> TaskSpec:
     payload = {"i": i, "blob": "x" * payload_bytes} if payload_bytes else {"i": i}
-    return TaskSpec(kind=TaskKind.GOAL, goal=f"task {i}", payload=payload)
+    goal = f"task {i} " + "g" * goal_chars
+    return TaskSpec(kind=TaskKind.GOAL, goal=goal, payload=payload)
 
 
-async def _submit(repo: Repository, n: int, *, first: int = 0, payload_bytes: int = 0) -> list[str]:
+async def _submit(
+    repo: Repository, n: int, *, first: int = 0, payload_bytes: int = 0, goal_chars: int = 0
+) -> list[str]:
     ids: list[str] = []
     for start in range(first, first + n, 100):
-        chunk = [_spec(i, payload_bytes) for i in range(start, min(start + 100, first + n))]
+        chunk = [
+            _spec(i, payload_bytes, goal_chars) for i in range(start, min(start + 100, first + n))
+        ]
         ids.extend(await repo.submit_many(chunk))
     return ids
 
@@ -169,8 +174,9 @@ async def test_the_cursor_pages_through_every_task_once_while_new_ones_arrive(
         seen.extend(t["id"] for t in page)
         # New tasks arrive between every two pages.
         arrived.extend(await _submit(repo, 7, first=1000 + len(arrived)))
-        if len(page) < 40:
+        if not page:
             break
+        assert len(page) == 40 or len(seen) == len(existing)
         cursor = page[-1]["cursor"]
     assert len(seen) == len(set(seen)), "a task was listed twice"
     assert set(seen) == set(existing)
@@ -178,3 +184,26 @@ async def test_the_cursor_pages_through_every_task_once_while_new_ones_arrive(
     # The newest page now starts with the tasks that arrived meanwhile.
     first = _page(await ops.call("tasks", limit=len(arrived)))
     assert {t["id"] for t in first} == set(arrived)
+
+
+async def test_a_page_of_long_tasks_is_cut_to_fit_one_reply_and_paging_finds_them_all(
+    repo: Repository, ops: Ops
+) -> None:
+    # 1000 goals of 4000 characters: about 4 MB, more than one NATS message holds.
+    existing = await _submit(repo, MAX_PAGE, goal_chars=4000)
+    seen: list[str] = []
+    pages = 0
+    cursor: str | None = None
+    while True:
+        args: dict[str, Any] = {"limit": MAX_PAGE}
+        if cursor is not None:
+            args["cursor"] = cursor
+        page = _page(await ops.call("tasks", **args))
+        if not page:
+            break
+        pages += 1
+        seen.extend(t["id"] for t in page)
+        cursor = page[-1]["cursor"]
+    print(f"\n{MAX_PAGE} tasks with 4000-character goals came in {pages} pages")
+    assert pages > 1
+    assert seen == list(reversed(existing))
