@@ -722,8 +722,7 @@ class OpsApi:
         # The state is read first: a line written after it is then still returned
         # by this or the next page, so a follower that stops at a terminal state
         # with an empty page has seen every line.
-        view = await self.repo.task_view(task_id, user)
-        state = _plain(_first(view, "state", "status"))
+        state = await self.reads.task_state(task_id, user)
         lines = [
             project_log_line(r)
             for r in await self.repo.read_logs(task_id, user, after_id=after_id, limit=limit)

@@ -24,7 +24,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from fleetlease.persistence.errors import Invalid
+from fleetlease.persistence.errors import Forbidden, Invalid, NotFound
 from fleetlease.persistence.model import TaskState, User
 from fleetlease.persistence.repository import Repository, _check_task_id, _check_user, _iso
 from fleetlease.persistence.tables import artifacts, attempts, tasks
@@ -234,6 +234,34 @@ class Reads:
 
         return await self.repo._tx("task_view", run)
 
+    async def _authorize(
+        self, conn: AsyncConnection, task_id: str, user: User, *columns: Any
+    ) -> Any:
+        """The task's ``columns`` if the user may read it (its owner and project
+        only otherwise: never its payload); ``NotFound`` / ``Forbidden`` as
+        ``Repository._authorize_task``."""
+        row = (
+            await conn.execute(
+                sa.select(tasks.c.owner, tasks.c.project, *columns).where(tasks.c.id == task_id)
+            )
+        ).first()
+        if row is None:
+            raise NotFound("no such task", task_id=task_id)
+        if not await self.repo._may_access(conn, user, row.owner, row.project):
+            raise Forbidden("not allowed to read this task", task_id=task_id)
+        return row
+
+    async def task_state(self, task_id: str, user: User) -> str:
+        """The task's state, authorized like ``task_view`` (what a log page
+        reports, read without the task's payload)."""
+        tid = _check_task_id(task_id)
+        _check_user(user)
+
+        async def run(conn: AsyncConnection, now: datetime) -> str:
+            return str((await self._authorize(conn, tid, user, tasks.c.status)).status)
+
+        return await self.repo._tx("task_state", run)
+
     async def list_artifacts(self, task_id: str, user: User) -> list[dict[str, Any]]:
         """A task's artifacts, ``[{task_id, attempt, name, size, sha256,
         object_name, created_at}]``, authorized like ``task_view``.
@@ -243,7 +271,7 @@ class Reads:
         _check_user(user)
 
         async def run(conn: AsyncConnection, now: datetime) -> list[dict[str, Any]]:
-            await self.repo._authorize_task(conn, tid, user)
+            await self._authorize(conn, tid, user)
             rows = (
                 await conn.execute(
                     sa.select(
