@@ -17,11 +17,9 @@ PACKAGES = ("actors", "transport", "persistence", "hostagent", "ops")
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("src")
-    files = (
-        subprocess.run(["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True)
-        .stdout.decode()
-        .split("\0")
-    )
+    files = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True
+    ).stdout.decode().split("\0")
     for name in filter(None, files):
         if (REPO / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
