@@ -606,6 +606,7 @@ class OpsApi:
             request_id=a.text("request_id", max_len=100),
             limit=a.integer("limit", lo=1, hi=MAX_LIST, default=100),
             cursor=a.text("cursor", max_len=32),
+            max_bytes=MAX_LIST_BYTES,
         )
         page: list[dict[str, Any]] = []
         size = 0

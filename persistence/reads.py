@@ -74,6 +74,42 @@ def decode_cursor(cursor: object, field: str = "cursor") -> int:
     return int(cursor[1:])
 
 
+#: A listed task's size beyond its variable-length fields: ids, times, keys.
+_ROW_OVERHEAD = 640
+
+
+def _within(page: Any, max_bytes: int) -> Any:
+    """``page`` (a select of ``_LIST_COLUMNS`` in list order, limited) cut
+    where the running total of its rows' estimated sizes passes ``max_bytes``.
+    The estimate is the JSON text of the variable-length fields (msgpack is
+    no larger) plus ``_ROW_OVERHEAD``."""
+    inner = page.subquery("page")
+
+    def text_bytes(col: Any) -> Any:
+        return sa.func.coalesce(sa.func.octet_length(col), 0)
+
+    size = (
+        text_bytes(sa.cast(inner.c.result, sa.Text))
+        + text_bytes(inner.c.goal)
+        + text_bytes(inner.c.workflow)
+        + text_bytes(inner.c.terminal_reason)
+        + text_bytes(inner.c.request_id)
+        + text_bytes(inner.c.cancel_requested_by)
+        + _ROW_OVERHEAD
+    )
+    sized = sa.select(
+        *inner.c,
+        size.label("_size"),
+        sa.func.sum(size).over(order_by=inner.c.seq.desc()).label("_total"),
+    ).subquery("sized")
+    keep = [sized.c[c.name] for c in _LIST_COLUMNS]
+    return (
+        sa.select(*keep)
+        .where(sized.c._total - sized.c._size < max_bytes)
+        .order_by(sized.c.seq.desc())
+    )
+
+
 def request_id_matches(request_id: str) -> sa.ColumnElement[bool]:
     """The tasks one submit made: its key itself (one task), or the keys the
     ``--count`` batches derive from it (``KEY@OFFSET#I`` from the CLI,
@@ -137,12 +173,16 @@ class Reads:
         request_id: str | None = None,
         limit: int = 100,
         cursor: str | None = None,
+        max_bytes: int | None = None,
     ) -> list[dict[str, Any]]:
         """One page of the tasks the user may read, newest first: at most
         ``limit`` (1..``MAX_PAGE``), after the task that carried ``cursor``.
         ``states`` filters by state, ``host_id`` by the host of the current
         attempt, ``project`` by project, ``request_id`` by the submit that made
-        the task. Payloads and selectors are not read."""
+        the task. Payloads and selectors are not read. ``max_bytes``: the page
+        ends before the task that would take its estimated size past it (the
+        first task always comes), measured in the database, so large results
+        or goals never reach this process beyond it."""
         _check_user(user)
         try:
             wanted = [TaskState(s).value for s in states]
@@ -175,11 +215,10 @@ class Reads:
                         attempts.c.host_id == host_id,
                     )
                 )
-            rows = (
-                (await conn.execute(stmt.order_by(tasks.c.seq.desc()).limit(limit)))
-                .mappings()
-                .all()
-            )
+            stmt = stmt.order_by(tasks.c.seq.desc()).limit(limit)
+            if max_bytes is not None:
+                stmt = _within(stmt, max_bytes)
+            rows = (await conn.execute(stmt)).mappings().all()
             return [task_summary(r) for r in rows]
 
         return await self.repo._tx("list_tasks", run)

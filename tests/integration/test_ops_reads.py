@@ -19,6 +19,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from fleetlease.persistence import tables as t
 from fleetlease.persistence.db import create_engine
 from fleetlease.persistence.model import TaskKind, TaskSpec
 from fleetlease.persistence.reads import MAX_PAGE
@@ -207,3 +208,28 @@ async def test_a_page_of_long_tasks_is_cut_to_fit_one_reply_and_paging_finds_the
     print(f"\n{MAX_PAGE} tasks with 4000-character goals came in {pages} pages")
     assert pages > 1
     assert seen == list(reversed(existing))
+
+
+async def test_large_results_are_cut_to_the_page_budget_in_the_database(
+    repo: Repository, serve: Serve, ops: Ops
+) -> None:
+    ids = await _submit(repo, 300)
+    async with repo.engine.begin() as conn:  # finished tasks with 100 KB results
+        await conn.execute(
+            t.tasks.update()
+            .where(t.tasks.c.id.in_(ids))
+            .values(result={"blob": "r" * PAYLOAD_BYTES}, status="done")
+        )
+    pid = serve.proc.pid
+    assert _page(await ops.call("tasks", limit=MAX_PAGE))
+    before = rss_bytes(pid)
+    pages = await asyncio.gather(*(ops.call("tasks", limit=MAX_PAGE) for _ in range(CLIENTS)))
+    growth = rss_bytes(pid) - before
+    sizes = {len(_page(p)) for p in pages}
+    print(
+        f"\n{CLIENTS} concurrent pages over tasks with {PAYLOAD_BYTES // 1000} KB results: "
+        f"{sorted(sizes)} tasks per page, serve RSS growth {growth / MIB:.1f} MiB"
+    )
+    assert all(1 <= n < 10 for n in sizes)
+    assert all(p["result"] == {"blob": "r" * PAYLOAD_BYTES} for p in _page(pages[0]))
+    assert growth < 200 * MIB
