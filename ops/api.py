@@ -35,17 +35,24 @@ from datetime import datetime
 from enum import Enum
 from typing import Any, Protocol
 
+import msgpack
 import structlog
 
+from fleetlease.persistence.bulk import MAX_CANCEL_BATCH, BulkCancel, CancelFilter
 from fleetlease.persistence.errors import Forbidden, Invalid, NotFound, Unauthorized
 from fleetlease.persistence.model import RetryPolicy, TaskKind, TaskSpec, TaskState, User
+from fleetlease.persistence.reads import MAX_PAGE, Reads
 from fleetlease.persistence.repository import Repository
 from fleetlease.transport.subjects import is_valid_token
 
 log = structlog.get_logger("fleetlease.ops")
 
 MAX_BATCH = 1000
-MAX_LIST = 1000
+#: The longest page of ``tasks`` (and of ``events``): README, "JSON output".
+MAX_LIST = MAX_PAGE
+#: The most bytes of tasks one ``tasks`` reply carries (a reply must fit in one
+#: NATS message, 1 MiB by default; long goals or large results would not).
+MAX_LIST_BYTES = 768 * 1024
 MAX_LOG_PAGE = 1000
 MAX_TEXT = 4096
 MAX_NAME = 128
@@ -108,7 +115,8 @@ def project_attempt(raw: Mapping[str, Any]) -> dict[str, Any]:
         "device_id": _plain(raw.get("device_id")),
         "lease_id": _plain(raw.get("lease_id")),
         "assigned_at": _plain(raw.get("assigned_at")),
-        "started_at": _plain(_first(raw, "started_at", "acked_at", "claimed_at")),
+        # When the attempt started running: its host's acknowledgement.
+        "started_at": _plain(raw["started_at"] if "started_at" in raw else raw.get("acked_at")),
         "ended_at": _plain(raw.get("ended_at")),
         "end_reason": _plain(raw.get("end_reason")),
         "lease_expires_at": _plain(raw.get("lease_expires_at")),
@@ -165,12 +173,15 @@ def project_task(raw: Mapping[str, Any], *, with_attempts: bool = True) -> dict[
         "created_at": _plain(raw.get("created_at")),
         "updated_at": _plain(raw.get("updated_at")),
         "finished_at": _plain(raw.get("finished_at")),
+        "request_id": _plain(raw.get("request_id")),
     }
     attempts = raw.get("attempts")
+    if not with_attempts:
+        # A list's page cursor: the tasks listed after this one.
+        out["cursor"] = _plain(raw.get("cursor"))
     if with_attempts:
         out["payload"] = _plain(raw.get("payload"))
         out["selector"] = _plain(raw.get("selector"))
-        out["request_id"] = _plain(raw.get("request_id"))
         out["attempts"] = [project_attempt(a) for a in (attempts or []) if isinstance(a, Mapping)]
         last = out["attempts"][-1] if out["attempts"] else {}
         out["host_id"] = last.get("host_id")
@@ -464,6 +475,8 @@ class OpsApi:
         if control_plane is None:
             raise ValueError("control_plane is required")
         self.repo = repo
+        self.reads = Reads(repo)
+        self.bulk = BulkCancel(repo)
         self.cp = control_plane
         self.service = service
         self.feed = EventFeed()
@@ -477,6 +490,7 @@ class OpsApi:
             "tasks": self.tasks,
             "task_show": self.task_show,
             "cancel": self.cancel,
+            "cancel_many": self.cancel_many,
             "logs": self.logs,
             "artifacts": self.artifacts,
             "artifact_get": self.artifact_get,
@@ -586,23 +600,73 @@ class OpsApi:
         return {"ids": list(ids)}
 
     async def tasks(self, user: User, args: Any) -> list[dict[str, Any]]:
-        a = Args(args, ("states", "host", "limit"))
-        rows = await self.repo.list_tasks(
+        """One page of the tasks the user may read, newest first, without
+        payloads or selectors. Each carries its ``cursor``: passed back as
+        ``cursor``, the next page starts after that task. A page holds fewer
+        than ``limit`` tasks at the end of the list, or when its tasks fill
+        ``MAX_LIST_BYTES``: the end of the list is an empty page."""
+        a = Args(args, ("states", "host", "limit", "cursor", "project", "request_id"))
+        rows = await self.reads.list_tasks(
             user,
             states=a.names("states", choices=_STATES),
             host_id=a.name("host"),
+            project=a.name("project"),
+            request_id=a.text("request_id", max_len=100),
             limit=a.integer("limit", lo=1, hi=MAX_LIST, default=100),
+            cursor=a.text("cursor", max_len=32),
+            max_bytes=MAX_LIST_BYTES,
         )
-        return [project_task(r, with_attempts=False) for r in rows]
+        page: list[dict[str, Any]] = []
+        size = 0
+        for row in rows:
+            task = project_task(row, with_attempts=False)
+            size += len(msgpack.packb(task))
+            if page and size > MAX_LIST_BYTES:
+                break  # the rest on the next page (after the last cursor)
+            page.append(task)
+        return page
 
     async def task_show(self, user: User, args: Any) -> dict[str, Any]:
         a = Args(args, ("id",))
-        return project_task(await self.repo.task_view(a.task_id(), user))
+        return project_task(await self.reads.task_view(a.task_id(), user))
 
     async def cancel(self, user: User, args: Any) -> dict[str, Any]:
         a = Args(args, ("id",))
         record = await self.cp.cancel(a.task_id(), user)
         return project_cancel(record)
+
+    async def cancel_many(self, user: User, args: Any) -> dict[str, Any]:
+        """One batch (one transaction) of a bulk cancel of waiting tasks of a
+        project, oldest first: ``cancelled`` tasks (``ids``), how many
+        ``matched`` before it, and the ``bound`` to pass on (tasks submitted
+        after the first batch are never taken). ``dry_run``: only count."""
+        a = Args(args, ("project", "states", "host", "older_than_s", "bound", "limit", "dry_run"))
+        f = CancelFilter(
+            project=a.name("project", required=True),
+            states=a.names("states", choices=_STATES) or [TaskState.QUEUED.value],
+            host_id=a.name("host"),
+            older_than_s=a.number("older_than_s", lo=0.0, hi=10 * 365 * 86400.0),
+            bound=a.integer("bound", lo=0, hi=2**63 - 1),
+        )
+        limit = a.integer("limit", lo=1, hi=MAX_CANCEL_BATCH, default=MAX_CANCEL_BATCH)
+        dry_run = a.flag("dry_run")
+        batch = await self.bulk.batch(user, f, limit=limit, dry_run=dry_run)
+        if batch.cancelled:
+            at = self.repo.clock.now().isoformat()
+            self.feed.add(
+                [
+                    {"task_id": tid, "state": "cancelled", "attempt": n, "host_id": None, "at": at}
+                    for tid, n in batch.cancelled
+                ]
+            )
+            log.info("tasks_cancelled", count=len(batch.cancelled), project=f.project, by=user.name)
+        return {
+            "cancelled": len(batch.cancelled),
+            "ids": [tid for tid, _ in batch.cancelled],
+            "matched": batch.matched,
+            "bound": batch.bound,
+            "more": batch.matched > len(batch.cancelled) and not dry_run,
+        }
 
     async def events(self, user: User, args: Any) -> dict[str, Any]:
         """Long-poll of the task events this user may read. Without ``after``: the
@@ -636,12 +700,28 @@ class OpsApi:
                 readable = await self.repo.readable_task_ids(user, [e["task_id"] for _, e in page])
                 visible = [dict(e, seq=n) for n, e in page if e["task_id"] in readable]
                 if visible:
+                    await self._with_devices(visible)
                     return reply(visible, cursor, gap)
                 continue
             remaining = deadline - loop.time()
             if remaining <= 0 or feed.closed:
                 return reply([], cursor, gap)
             await feed.wait(cursor, remaining)
+
+    async def _with_devices(self, events: list[dict[str, Any]]) -> None:
+        """Fill in the device of each event's attempt (the actors' events name
+        the host and the attempt number; the attempt's row names its device)."""
+        missing = [
+            (e["task_id"], e["attempt"])
+            for e in events
+            if e.get("device_id") is None and isinstance(e.get("attempt"), int)
+        ]
+        if not missing:
+            return
+        found = await self.reads.attempt_devices(missing)
+        for e in events:
+            if e.get("device_id") is None and isinstance(e.get("attempt"), int):
+                e["device_id"] = found.get((e["task_id"], e["attempt"]))
 
     async def logs(self, user: User, args: Any) -> dict[str, Any]:
         a = Args(args, ("id", "after_id", "limit"))
@@ -651,8 +731,7 @@ class OpsApi:
         # The state is read first: a line written after it is then still returned
         # by this or the next page, so a follower that stops at a terminal state
         # with an empty page has seen every line.
-        view = await self.repo.task_view(task_id, user)
-        state = _plain(_first(view, "state", "status"))
+        state = await self.reads.task_state(task_id, user)
         lines = [
             project_log_line(r)
             for r in await self.repo.read_logs(task_id, user, after_id=after_id, limit=limit)
@@ -668,7 +747,7 @@ class OpsApi:
 
     async def artifacts(self, user: User, args: Any) -> list[dict[str, Any]]:
         a = Args(args, ("id",))
-        return [project_artifact(r) for r in await self.repo.list_artifacts(a.task_id(), user)]
+        return [project_artifact(r) for r in await self.reads.list_artifacts(a.task_id(), user)]
 
     async def artifact_get(self, user: User, args: Any) -> dict[str, Any]:
         a = Args(args, ("id", "name", "attempt", "offset", "length"))
@@ -679,7 +758,7 @@ class OpsApi:
         length = a.integer("length", lo=1, hi=MAX_ARTIFACT_SLICE, default=MAX_ARTIFACT_SLICE)
         rows = [
             r
-            for r in await self.repo.list_artifacts(task_id, user)
+            for r in await self.reads.list_artifacts(task_id, user)
             if r.get("name") == name and (attempt is None or r.get("attempt") == attempt)
         ]
         if not rows:

@@ -46,11 +46,17 @@ from fleetlease.ops.client import (
     normalize_event,
     task_events,
 )
+from fleetlease.ops.commands.bulk import add_bulk_cancel_args
 from fleetlease.ops.config import Settings, from_args, read_context
 from fleetlease.ops.logging import configure_logging
 from fleetlease.transport import wire
 
 SUBMIT_CHUNK = 100
+#: The most tasks one ``submit --count`` makes without ``--allow-large``, and with it.
+MAX_SUBMIT_COUNT = 10_000
+MAX_SUBMIT_COUNT_LARGE = 1_000_000
+#: The longest page of ``tasks`` the control plane returns.
+MAX_LIST_PAGE = 1000
 SUBMIT_RETRY_PAUSE_S = 0.5
 FOLLOW_POLL_S = 0.5
 LOG_PAGE = 1000
@@ -205,7 +211,16 @@ def register(sub: Any) -> None:
     p.add_argument("--max-attempts", type=positive_int, help="attempts before failing (default 3)")
     p.add_argument("--backoff", type=float, help="retry backoff base in seconds (default 1)")
     p.add_argument("--project", help="project (default: default)")
-    p.add_argument("--count", type=positive_int, help="submit N identical tasks")
+    p.add_argument(
+        "--count",
+        type=positive_int,
+        help=f"submit N identical tasks (at most {MAX_SUBMIT_COUNT} without --allow-large)",
+    )
+    p.add_argument(
+        "--allow-large",
+        action="store_true",
+        help=f"allow --count above {MAX_SUBMIT_COUNT} (up to {MAX_SUBMIT_COUNT_LARGE})",
+    )
     p.add_argument(
         "--request-id",
         help="idempotency key: repeating a submit with it returns the first task(s) instead "
@@ -215,7 +230,19 @@ def register(sub: Any) -> None:
     p = cmd("tasks", "list the tasks you may see", cmd_tasks)
     p.add_argument("--state", action="append", choices=TASK_STATES, default=[], help="repeatable")
     p.add_argument("--host", help="only tasks whose current attempt is on this host")
-    p.add_argument("--limit", type=positive_int, default=100, help="at most N (default 100)")
+    p.add_argument("--project", help="only tasks of this project")
+    p.add_argument(
+        "--request-id", help="only the tasks one submit made (its request id, printed first)"
+    )
+    p.add_argument(
+        "--limit",
+        type=positive_int,
+        default=100,
+        help=f"at most N, up to {MAX_LIST_PAGE} (default 100)",
+    )
+    p.add_argument(
+        "--cursor", help="start after the task with this cursor (printed when more remain)"
+    )
 
     task = sub.add_parser("task", help="one task").add_subparsers(
         dest="task_command", metavar="COMMAND", required=True
@@ -225,8 +252,13 @@ def register(sub: Any) -> None:
     )
     p.add_argument("id", help="task id")
 
-    p = cmd("cancel", "cancel a task (idempotent)", cmd_cancel)
-    p.add_argument("id", help="task id")
+    p = cmd(
+        "cancel",
+        "cancel a task (idempotent), or every waiting task of a project matching the filters",
+        cmd_cancel,
+    )
+    p.add_argument("id", nargs="?", help="task id (or, instead, --project and filters)")
+    add_bulk_cancel_args(p)
 
     p = cmd("logs", "a task's log lines", cmd_logs)
     p.add_argument("id", help="task id")
@@ -307,6 +339,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         "project": args.project,
     }
     count = args.count or 1
+    limit = MAX_SUBMIT_COUNT_LARGE if args.allow_large else MAX_SUBMIT_COUNT
+    if count > limit:
+        more = "" if args.allow_large else " (pass --allow-large for more)"
+        raise CliError(f"--count must be at most {limit}{more}", EXIT_USAGE)
     request_id = args.request_id or uuid.uuid4().hex
 
     async def submit(client: OpsClient, **more: Any) -> Any:
@@ -336,6 +372,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(data["id"])
 
     async def batch(client: OpsClient) -> None:
+        # First, so that an interrupted submit can be found and repeated.
+        print(
+            f"request id {request_id}: `fleetlease tasks --request-id {request_id}` lists "
+            f"its tasks; repeating the submit with --request-id {request_id} makes only "
+            "the missing ones",
+            file=sys.stderr,
+            flush=True,
+        )
         ids: list[str] = []
         with _progress(f"submitting {count} tasks", count) as advance:
             while len(ids) < count:
@@ -345,7 +389,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 ids.extend(data["ids"])
                 advance(n)
         if args.json:
-            render.print_json({"ids": ids})
+            render.print_json({"ids": ids, "request_id": request_id})
         else:
             for task_id in ids:
                 print(task_id)
@@ -376,10 +420,21 @@ def _progress(description: str, total: int) -> Any:
 
 def cmd_tasks(args: argparse.Namespace) -> int:
     async def body(client: OpsClient) -> None:
-        data = await client.call(
-            "tasks", states=args.state or None, host=args.host, limit=args.limit
-        )
+        query: dict[str, Any] = {
+            "states": args.state or None,
+            "host": args.host,
+            "project": args.project,
+            "request_id": args.request_id,
+        }
+        data = await client.call("tasks", **query, limit=args.limit, cursor=args.cursor)
+        rest: list[Any] = []
         output(args, data, render.print_tasks)
+        if data and len(data) < args.limit:
+            # A short page is the end, or was cut at the reply's size: ask for one more.
+            rest = await client.call("tasks", **{**query, "limit": 1, "cursor": data[-1]["cursor"]})
+        if data and (len(data) == args.limit or rest):
+            # stderr: stdout stays exactly the data.
+            print(f"more tasks: --cursor {data[-1]['cursor']}", file=sys.stderr)
 
     return run(args, body)
 
@@ -392,6 +447,16 @@ def cmd_task_show(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    bulk = bool(args.state or args.project or args.host or args.older_than is not None)
+    if args.id is not None and bulk:
+        raise CliError("give a task id or bulk filters (--project ...), not both", EXIT_USAGE)
+    if args.id is None and not args.project:
+        raise CliError("give a task id, or --project P to cancel its waiting tasks", EXIT_USAGE)
+    if bulk:
+        from fleetlease.ops.commands.bulk import cmd_cancel_many
+
+        return cmd_cancel_many(args)
+
     async def body(client: OpsClient) -> None:
         output(args, await client.call("cancel", id=args.id), render.print_cancel)
 
