@@ -5,7 +5,7 @@ On a secured broker every connection's user JWT expires (see
 ``-ERR 'User Authentication Expired'`` and closes the connection, and the
 client must come back through the auth callout, which checks the principal
 again. nats-py 2.16 treats that error like any other protocol error and closes
-the client for good (nats-io/nats.py#1019), so an agent or a CLI watch would
+the client for good (an open nats-py bug), so an agent or a CLI watch would
 stop after one lifetime.
 
 :class:`ReauthClient` handles that one error as a lost connection instead: the
