@@ -21,6 +21,24 @@ from fleetlease.transport import wire
 from fleetlease.transport.subjects import Subjects, is_valid_token
 
 DEFAULT_TIMEOUT_S = 10.0
+#: Verbs that only read: sent again when the connection reconnected while one
+#: was waiting for its reply (a reply published while the client was away, as
+#: when its broker authorization expires, is lost).
+REPEATABLE_VERBS = frozenset(
+    {
+        "whoami",
+        "tasks",
+        "task_show",
+        "events",
+        "logs",
+        "artifacts",
+        "artifact_get",
+        "hosts",
+        "host_list",
+        "devices",
+    }
+)
+_RECONNECT_CHECK_S = 0.1
 
 
 class OpsError(Exception):
@@ -63,7 +81,7 @@ class OpsClient:
         return Subjects(self.prefix)
 
     async def connect(self) -> OpsClient:
-        import nats
+        from fleetlease.transport.nats_connect import connect as nats_connect
 
         errors: list[str] = []
 
@@ -74,12 +92,15 @@ class OpsClient:
         try:
             # nats-py 2.16 retries the first connect forever with
             # max_reconnect_attempts=0: allow one retry, and bound it anyway.
+            # Reconnecting is allowed (twice, then the client closes) so that a
+            # long `watch` or console session comes back through the expiry of
+            # its broker authorization.
             self.nc = await asyncio.wait_for(
-                nats.connect(
+                nats_connect(
                     self.nats_url,
                     name="fleetlease-cli",
                     connect_timeout=min(self.timeout_s, 5.0),
-                    allow_reconnect=False,
+                    allow_reconnect=True,
                     max_reconnect_attempts=1,
                     reconnect_time_wait=0.1,
                     error_cb=on_error,
@@ -135,6 +156,25 @@ class OpsClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def _send(self, subject: str, verb: str, data: bytes) -> Any:
+        """The reply to one request; a read-only verb is sent once more if the
+        connection reconnects while it waits (instead of waiting out the timeout
+        for a reply that was lost)."""
+        resend = verb in REPEATABLE_VERBS
+        while True:
+            reconnects = self.nc.stats["reconnects"]
+            pending = asyncio.ensure_future(self.nc.request(subject, data, timeout=self.timeout_s))
+            try:
+                while True:
+                    done, _ = await asyncio.wait({pending}, timeout=_RECONNECT_CHECK_S)
+                    if done:
+                        return pending.result()
+                    if resend and self.nc.stats["reconnects"] != reconnects:
+                        break
+            finally:
+                pending.cancel()  # a no-op once it is done
+            resend = False
+
     async def call(self, verb: str, **args: Any) -> Any:
         """``verb`` on ``{prefix}.ops.{user}.{verb}``. A client that was not told
         its user asks the control plane whose the token is first (an open broker
@@ -162,7 +202,7 @@ class OpsClient:
             token=self.token, verb=verb, args={k: v for k, v in args.items() if v is not None}
         )
         try:
-            msg = await self.nc.request(subject, wire.encode(request), timeout=self.timeout_s)
+            msg = await self._send(subject, verb, wire.encode(request))
         except nats.errors.NoRespondersError:
             raise OpsError(
                 f"no control plane answers on NATS at {self.nats_url} (prefix {self.prefix}): "

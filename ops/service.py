@@ -83,6 +83,10 @@ class ControlPlaneService:
     #: control plane's nkey user. The nats-server must run the config of
     #: ``transport.broker_config.secure_config`` for the keys in ``state_dir/broker``.
     broker_security: bool = False
+    #: Lifetime of the user JWTs the callout issues (seconds; ``None``: never
+    #: expire). Every connection re-proves its principal this often, so a host
+    #: or user revoked while a kick failed is out within one lifetime at most.
+    broker_jwt_expires_s: float | None = 300.0
 
     engine: AsyncEngine | None = None
     repo: Repository | None = None
@@ -160,6 +164,7 @@ class ControlPlaneService:
             service_seed=keys.callout_seed,
             system_seed=keys.system_seed,
             subjects=Subjects(self.prefix),
+            jwt_expires_s=self.broker_jwt_expires_s,
         ).start()
         return keys.control_plane_connect_options(), keys.storage_connect_options()
 

@@ -37,10 +37,28 @@ server's, lets ``Register`` prove possession of the credential without carrying
 it (:func:`register_proof` / :func:`open_register_proof`), so the application
 layer stays safe on a broker without these permissions.
 
-Revocation: :meth:`BrokerAuthService.disconnect` asks every known server
-(``$SYS.REQ.SERVER.<id>.CONNZ``) for the principal's connections and kicks them
-(``$SYS.REQ.SERVER.<id>.KICK``); their reconnects come back through the callout,
-which refuses a revoked host.
+Expiry: every user JWT the callout issues expires (:data:`DEFAULT_JWT_EXPIRES_S`,
+less a random part of up to :data:`JWT_EXPIRY_JITTER` so that hosts connected
+together do not all come back together). The server then ends the connection
+("User Authentication Expired") and the client's reconnect goes through the
+callout again, which re-reads the principal: a connection never outlives the
+credential it proved by more than one expiry, whatever happened to the kick
+below. Clients reconnect through an expiry with
+:func:`fleetlease.transport.nats_connect.connect`.
+
+Revocation: :meth:`BrokerAuthService.disconnect`, called once the revocation is
+committed, asks every known server (``$SYS.REQ.SERVER.<id>.CONNZ``) for the
+principal's connections and kicks them (``$SYS.REQ.SERVER.<id>.KICK``); their
+reconnects come back through the callout, which refuses them. A login racing
+the revocation can have been approved from a read made just before the commit
+while its connection still waits for the server to apply the approval: the
+server lists such a connection without its name (2.15 shows a token user as
+``[REDACTED]``) until the approval lands. Every connection that was waiting in
+the snapshot is therefore watched (CONNZ by ``cid``) until the server has
+decided it (it does within its authorization timeout: approved, refused or timed
+out), and kicked if it turns out to be the principal's. A connection that was
+not yet waiting in the snapshot sends its authorization request after the
+commit, so the callout's read refuses it. No survivor is left to chance.
 """
 
 from __future__ import annotations
@@ -51,6 +69,8 @@ import contextlib
 import hashlib
 import hmac
 import json
+import math
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -84,6 +104,21 @@ _REGISTER_DOMAIN = b"fleetlease-register-v1\0"
 _JWT_HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
 #: The one message every refusal gets: unknown, revoked and wrong proof look alike.
 REFUSED = "authentication failed"
+#: How long an issued user JWT lives by default (seconds): the longest a
+#: connection can outlive its principal's revocation if the kick fails.
+DEFAULT_JWT_EXPIRES_S = 300.0
+#: Up to this fraction of the lifetime is taken off at random per JWT.
+JWT_EXPIRY_JITTER = 0.2
+#: The nats-server's ``authorization { timeout }`` (seconds) of the generated
+#: config: how long the server waits for the callout's answer.
+DEFAULT_CALLOUT_TIMEOUT_S = 5.0
+#: Beyond the server's own callout timeout, how long a revocation keeps
+#: watching a connection that was waiting for its authorization.
+_UNDECIDED_GRACE_S = 2.0
+_UNDECIDED_POLL_S = 0.02
+#: One CONNZ page large enough for every connection: one consistent snapshot
+#: (offset paging would skip entries when earlier connections close between pages).
+_CONNZ_LIMIT = 1 << 24
 
 Kind = Literal["host", "user"]
 
@@ -348,7 +383,8 @@ def user_claims(
         },
     }
     if expires_s is not None:
-        claims["exp"] = int(time.time() + expires_s)
+        # Rounded up: the lifetime is never shorter than asked.
+        claims["exp"] = math.ceil(time.time() + expires_s)
     return claims
 
 
@@ -409,7 +445,13 @@ class BrokerAuthService:
     exempt from the callout), ``issuer_seed`` the account nkey whose public key
     the server config names as the callout issuer, ``system_seed`` a ``SYS``
     account user for CONNZ/KICK (optional: without it :meth:`disconnect` is a
-    no-op and revocation waits for the JWT expiry)."""
+    no-op and revocation waits for the JWT expiry).
+
+    ``jwt_expires_s``: lifetime of the issued user JWTs (``None``: they never
+    expire; not advised, a missed kick would then last forever).
+    ``callout_timeout_s``: the server's authorization timeout (the generated
+    config's ``authorization { timeout }``), which bounds how long a revocation
+    watches logins that were in flight."""
 
     def __init__(
         self,
@@ -420,9 +462,16 @@ class BrokerAuthService:
         service_seed: str,
         system_seed: str | None = None,
         subjects: Subjects | None = None,
-        jwt_expires_s: float | None = None,
+        jwt_expires_s: float | None = DEFAULT_JWT_EXPIRES_S,
+        callout_timeout_s: float = DEFAULT_CALLOUT_TIMEOUT_S,
         connect_options: dict[str, Any] | None = None,
     ) -> None:
+        if jwt_expires_s is not None and not (
+            math.isfinite(jwt_expires_s) and jwt_expires_s >= 1.0
+        ):
+            raise ValueError(f"jwt_expires_s must be >= 1 second or None, got {jwt_expires_s!r}")
+        if not (math.isfinite(callout_timeout_s) and callout_timeout_s > 0):
+            raise ValueError(f"callout_timeout_s must be > 0, got {callout_timeout_s!r}")
         self.nats_url = nats_url
         self.store = store
         self.subjects = subjects or Subjects()
@@ -431,6 +480,7 @@ class BrokerAuthService:
         self._service_seed = service_seed
         self._system_seed = system_seed
         self.jwt_expires_s = jwt_expires_s
+        self.callout_timeout_s = callout_timeout_s
         self._connect_options = dict(connect_options or {})
         self._nc: NatsClient | None = None
         self._sys: NatsClient | None = None
@@ -534,13 +584,18 @@ class BrokerAuthService:
                     decision.kind,
                     decision.name,
                     user_nkey,
-                    expires_s=self.jwt_expires_s,
+                    expires_s=self._jwt_lifetime(),
                 ),
                 self._issuer_seed,
             )
         if msg.reply:
             with contextlib.suppress(Exception):
                 await msg.respond(encode_jwt(response, self._issuer_seed).encode("ascii"))
+
+    def _jwt_lifetime(self) -> float | None:
+        if self.jwt_expires_s is None:
+            return None
+        return max(1.0, self.jwt_expires_s * (1.0 - JWT_EXPIRY_JITTER * random.random()))
 
     async def authorize(self, nats_claims: dict[str, Any]) -> Decision | None:
         """The principal a connect request proves, or None."""
@@ -570,49 +625,117 @@ class BrokerAuthService:
 
     # -- revocation ------------------------------------------------------------------
     async def disconnect(self, kind: Kind, name: str, timeout_s: float = 5.0) -> int:
-        """Kick every live connection of a principal on every server this service
-        has seen; returns how many were kicked. Call it after the revocation is
-        durable, so that the reconnects are refused."""
+        """Kick every connection of a principal on every server this service has
+        seen, including logins that were being approved while the revocation
+        committed (see the module docstring); returns how many were kicked.
+        Call it after the revocation is durable, so that the reconnects are
+        refused. Returns once no connection of the principal can remain, at
+        most the server's callout timeout plus a grace later (in practice
+        milliseconds)."""
         if self._sys is None:
             return 0
         wanted = identity(kind, name)
+        started = time.monotonic()
         kicked = 0
         for server_id in sorted(self._server_ids):
-            for cid in await self._connections_of(server_id, wanted, timeout_s):
-                reply = await self._sys.request(
-                    f"$SYS.REQ.SERVER.{server_id}.KICK",
-                    json.dumps({"cid": cid}).encode(),
-                    timeout=timeout_s,
-                )
-                answer = json.loads(reply.data or b"{}")
-                if answer.get("error"):
-                    log.warning("broker_kick_failed", cid=cid, error=answer["error"])
-                else:
-                    kicked += 1
-        log.info("broker_disconnected", principal=wanted, connections=kicked)
+            kicked += await self._disconnect_on(server_id, wanted, timeout_s)
+        log.info(
+            "broker_disconnected",
+            principal=wanted,
+            connections=kicked,
+            ms=round((time.monotonic() - started) * 1000),
+        )
         return kicked
 
     async def disconnect_host(self, host_id: str, timeout_s: float = 5.0) -> int:
         return await self.disconnect("host", host_id, timeout_s)
 
-    async def _connections_of(self, server_id: str, wanted: str, timeout_s: float) -> list[int]:
-        assert self._sys is not None
-        cids: list[int] = []
-        offset = 0
-        while True:
-            reply = await self._sys.request(
-                f"$SYS.REQ.SERVER.{server_id}.CONNZ",
-                json.dumps({"auth": True, "offset": offset, "limit": 1024}).encode(),
-                timeout=timeout_s,
+    async def _disconnect_on(self, server_id: str, wanted: str, timeout_s: float) -> int:
+        named: list[int] = []
+        undecided: set[int] = set()
+        for conn in await self._connz(server_id, {"limit": _CONNZ_LIMIT}, timeout_s):
+            cid = conn.get("cid")
+            if not isinstance(cid, int):
+                continue
+            user = conn.get("authorized_user")
+            if user == wanted:
+                named.append(cid)
+            elif _undecided(user):
+                undecided.add(cid)
+        kicked = sum(
+            await asyncio.gather(*(self._kick(server_id, cid, timeout_s) for cid in named))
+        )
+        if undecided:
+            log.info("broker_undecided_watched", principal=wanted, connections=len(undecided))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.callout_timeout_s + _UNDECIDED_GRACE_S
+        while undecided:
+            cids = sorted(undecided)
+            found = await asyncio.gather(
+                *(self._connz(server_id, {"cid": cid}, timeout_s) for cid in cids)
             )
-            data = json.loads(reply.data or b"{}").get("data") or {}
-            conns = data.get("connections") or []
-            for conn in conns:
-                if conn.get("authorized_user") == wanted and isinstance(conn.get("cid"), int):
-                    cids.append(conn["cid"])
-            offset += len(conns)
-            if not conns or offset >= int(data.get("total", 0)):
-                return cids
+            for cid, conns in zip(cids, found, strict=True):
+                user = conns[0].get("authorized_user") if conns else None
+                if not conns or not _undecided(user):
+                    undecided.discard(cid)
+                if user == wanted:
+                    kicked += await self._kick(server_id, cid, timeout_s)
+            if undecided and loop.time() >= deadline:
+                # Past the server's own deadline a connection still waiting for
+                # its authorization is none that the callout vouched for.
+                log.warning("broker_undecided_kicked", connections=len(undecided))
+                for cid in sorted(undecided):
+                    await self._kick(server_id, cid, timeout_s)
+                break
+            if undecided:
+                await asyncio.sleep(_UNDECIDED_POLL_S)
+        return kicked
+
+    async def _kick(self, server_id: str, cid: int, timeout_s: float) -> int:
+        assert self._sys is not None
+        reply = await self._sys.request(
+            f"$SYS.REQ.SERVER.{server_id}.KICK",
+            json.dumps({"cid": cid}).encode(),
+            timeout=timeout_s,
+        )
+        answer = json.loads(reply.data or b"{}")
+        if answer.get("error"):
+            # Typically "no such client": it closed on its own meanwhile.
+            log.info("broker_kick_missed", cid=cid, error=answer["error"])
+            return 0
+        return 1
+
+    async def _connz(
+        self, server_id: str, options: dict[str, Any], timeout_s: float
+    ) -> list[dict[str, Any]]:
+        assert self._sys is not None
+        reply = await self._sys.request(
+            f"$SYS.REQ.SERVER.{server_id}.CONNZ",
+            json.dumps({"auth": True, **options}).encode(),
+            timeout=timeout_s,
+        )
+        answer = json.loads(reply.data or b"{}")
+        if answer.get("error"):
+            raise BrokerAuthError(f"CONNZ of server {server_id} failed: {answer['error']}")
+        data = answer.get("data") or {}
+        return [c for c in data.get("connections") or [] if isinstance(c, dict)]
+
+
+def _undecided(user: Any) -> bool:
+    """Whether a CONNZ ``authorized_user`` is that of a connection still waiting
+    for the callout's answer: it has sent CONNECT (the name is not empty) but
+    is neither a principal the callout named (``host:X`` / ``user:U``) nor one
+    of the control plane's nkey users (which bypass the callout)."""
+    if not isinstance(user, str) or not user:
+        return False
+    kind, sep, name = user.partition(":")
+    if sep and kind in ("host", "user") and is_valid_token(name):
+        return False
+    try:
+        public_key_raw(user)
+    except BrokerAuthError:
+        return True
+    return False
 
 
 #: An async hook the ops side can call after ``Repository.revoke_host``.

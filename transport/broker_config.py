@@ -60,6 +60,7 @@ import nkeys
 
 from fleetlease.transport.broker_auth import (
     AUTH_ACCOUNT,
+    DEFAULT_CALLOUT_TIMEOUT_S,
     FLEET_ACCOUNT,
     SYS_ACCOUNT,
     Kind,
@@ -216,7 +217,7 @@ def secure_config(
     keys: BrokerKeys,
     *,
     tls: TlsFiles | None = None,
-    auth_timeout_s: float = 5.0,
+    auth_timeout_s: float = DEFAULT_CALLOUT_TIMEOUT_S,
     server_name: str = "fleetlease",
     subjects: Subjects | None = None,
 ) -> str:

@@ -20,7 +20,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-import nats
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.errors import ConnectionClosedError, MaxPayloadError, NoRespondersError
@@ -31,6 +30,7 @@ from fleetlease.persistence.model import Outcome
 from fleetlease.transport import wire
 from fleetlease.transport.auth import Signer
 from fleetlease.transport.broker_auth import register_proof
+from fleetlease.transport.nats_connect import connect as nats_connect
 from fleetlease.transport.subjects import Channel, Subjects
 
 log = structlog.get_logger("fleetlease.client")
@@ -134,7 +134,8 @@ class HostClient:
             "connect_timeout": 5,
         }
         opts.update(self._connect_options)
-        return await nats.connect(self.nats_url, **opts)
+        # Reconnects through the expiry of the broker's authorization too.
+        return await nats_connect(self.nats_url, **opts)
 
     async def close(self) -> None:
         for nc in self._conns.values():

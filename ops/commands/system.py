@@ -65,6 +65,13 @@ def register(sub: Any) -> None:
         default=5.0,
         help="heartbeat period told to hosts at registration (must be below --liveness-s)",
     )
+    p.add_argument(
+        "--broker-jwt-expiry-s",
+        type=float,
+        default=300.0,
+        help="secured broker: lifetime of the NATS authorizations the callout issues; "
+        "every connection re-proves its host or user this often (default 300)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -575,6 +582,9 @@ def timings_from_args(args: argparse.Namespace) -> Any:
         # A host beating slower than the liveness window drops in and out of "live"
         # and starves assignment.
         raise CliError("--heartbeat-s must be positive and below --liveness-s", EXIT_USAGE)
+    expiry = getattr(args, "broker_jwt_expiry_s", None)
+    if expiry is not None and not expiry >= 1:
+        raise CliError("--broker-jwt-expiry-s must be at least 1 second", EXIT_USAGE)
     return LeaseTimings(
         claim_s=args.claim_s, ack_s=args.ack_s, lease_s=args.lease_s, liveness_s=args.liveness_s
     )
@@ -587,6 +597,7 @@ async def run_control_plane(
     stop: threading.Event,
     on_ready: Any = None,
     heartbeat_s: float = 5.0,
+    broker_jwt_expires_s: float = 300.0,
 ) -> None:
     from fleetlease.ops.service import ControlPlaneService, install_chaos_hook
 
@@ -600,6 +611,7 @@ async def run_control_plane(
         timings=timings,
         heartbeat_s=heartbeat_s,
         broker_security=services.broker_security,
+        broker_jwt_expires_s=broker_jwt_expires_s,
     )
     await service.start()
     try:
@@ -648,7 +660,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
             interpreter.tune()
             eventloop.run(
-                run_control_plane(settings, services, timings, stop, heartbeat_s=args.heartbeat_s)
+                run_control_plane(
+                    settings,
+                    services,
+                    timings,
+                    stop,
+                    heartbeat_s=args.heartbeat_s,
+                    broker_jwt_expires_s=args.broker_jwt_expiry_s,
+                )
             )
     except (AlreadyRunning, Unreachable) as exc:
         raise CliError(exc.message, EXIT_UNAVAILABLE) from exc

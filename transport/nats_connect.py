@@ -1,0 +1,52 @@
+"""NATS connections that outlive the expiry of their authorization.
+
+On a secured broker every connection's user JWT expires (see
+``transport/broker_auth.py``): the nats-server sends
+``-ERR 'User Authentication Expired'`` and closes the connection, and the
+client must come back through the auth callout, which checks the principal
+again. nats-py 2.16 treats that error like any other protocol error and closes
+the client for good (an open nats-py bug), so an agent or a CLI watch would
+stop after one lifetime.
+
+:class:`ReauthClient` handles that one error as a lost connection instead: the
+usual reconnect runs (subscriptions replayed, buffered publishes flushed,
+``reconnected_cb`` called), and a refused reconnect is reported through
+``error_cb`` as for any other reconnect. What a reconnect can lose is the same
+as for a network blip: a reply published while the client was away. Callers
+already treat a missing reply as retryable (``TransportError``, the agent's
+backoff loops, the CLI's idempotent retries).
+
+The client does this only when reconnecting is allowed (``allow_reconnect``);
+otherwise nats-py's own handling (close) applies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from nats import errors as nats_errors
+from nats.aio.client import Client as NatsClient
+
+log = structlog.get_logger("fleetlease.nats")
+
+#: What the server says, lowercased as nats-py's parser hands it over.
+AUTH_EXPIRED = "user authentication expired"
+
+
+class ReauthClient(NatsClient):
+    """A nats-py client that reconnects when its authorization expires."""
+
+    async def _process_err(self, err_msg: str) -> None:
+        if AUTH_EXPIRED in err_msg.lower() and self.options.get("allow_reconnect"):
+            log.info("nats_authorization_expired", connection=self.options.get("name"))
+            await self._process_op_err(nats_errors.Error(f"nats: {AUTH_EXPIRED}"))
+            return
+        await super()._process_err(err_msg)
+
+
+async def connect(servers: str | list[str], **options: Any) -> NatsClient:
+    """``nats.connect`` with a :class:`ReauthClient`."""
+    nc = ReauthClient()
+    await nc.connect(servers, **options)
+    return nc
