@@ -33,6 +33,7 @@ from fleetlease.ops.service import ControlPlaneService
 from fleetlease.persistence.model import LeaseTimings, TaskKind, TaskSpec
 from fleetlease.transport import wire
 from fleetlease.transport.client import HostClient
+from fleetlease.transport.staging import StagingLimits
 from fleetlease.transport.subjects import Channel
 
 
@@ -142,6 +143,8 @@ async def run(args: argparse.Namespace) -> None:
         prefix=prefix,
         timings=LeaseTimings(claim_s=60, ack_s=60, lease_s=120, liveness_s=600),
         scheduler_interval_s=1.0,
+        # The bench's one host sends every chunk request at once.
+        staging=StagingLimits(host_in_flight=max(args.concurrency, 1)),
     )
     await svc.start()
     clients: list[HostClient] = []
@@ -248,8 +251,9 @@ async def run(args: argparse.Namespace) -> None:
                     wire.ArtifactChunk(
                         task_id=live[0].task_id,
                         attempt=live[0].attempt,
-                        name=f"bench-{i}",
-                        offset=0,
+                        lease_token=live[0].lease_token,
+                        name="bench",
+                        offset=(i % 1024) * wire.ARTIFACT_CHUNK_BYTES,
                         data=chunk,
                     ),
                     wire.Ok,

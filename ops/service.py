@@ -83,6 +83,9 @@ class ControlPlaneService:
     #: control plane's nkey user. The nats-server must run the config of
     #: ``transport.broker_config.secure_config`` for the keys in ``state_dir/broker``.
     broker_security: bool = False
+    #: Artifact staging limits (``transport.staging.StagingLimits``; its
+    #: defaults when None).
+    staging: Any = None
 
     engine: AsyncEngine | None = None
     repo: Repository | None = None
@@ -126,6 +129,7 @@ class ControlPlaneService:
                 timings=self.timings,
                 heartbeat_s=self.heartbeat_s,
                 connect_options=connect_options,
+                staging=self.staging,
             )
             await self.server.start()
         except BaseException:

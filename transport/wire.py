@@ -42,6 +42,8 @@ MAX_DEVICES = 1024
 MAX_LOG_LINES = 1000
 MAX_LOG_LINE_BYTES = 8 * 1024
 MAX_CHUNK_BYTES = 256 * 1024
+#: Artifact chunks start at multiples of this and hold at most this many bytes.
+ARTIFACT_CHUNK_BYTES = 128 * 1024
 MAX_NAME_LEN = 128
 MAX_TEXT_LEN = 4096
 MAX_WAIT_S = 60.0
@@ -67,6 +69,8 @@ ERROR_CODES: frozenset[str] = frozenset(
         "gone",
         "unavailable",
         "internal",
+        "quota",
+        "busy",
     }
 )
 
@@ -854,18 +858,19 @@ class ArtifactChunk(Message):
     TYPE: ClassVar[str] = "artifact_chunk"
     task_id: str
     attempt: int
+    lease_token: str = field(repr=False)
     name: str
     offset: int
     data: bytes = field(repr=False)
 
     def to_body(self) -> dict[str, Any]:
-        return _fields(self, "task_id", "attempt", "name", "offset", "data")
+        return _fields(self, *_LEASE_FIELDS, "name", "offset", "data")
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Self:
         r = _Reader(body)
         return cls(
-            **_attempt_ref(r),
+            **_lease_ref(r),
             name=r.name("name"),
             offset=r.integer("offset"),
             data=r.blob("data", max_len=MAX_CHUNK_BYTES),
@@ -877,18 +882,19 @@ class ArtifactCommit(Message):
     TYPE: ClassVar[str] = "artifact_commit"
     task_id: str
     attempt: int
+    lease_token: str = field(repr=False)
     name: str
     size: int
     sha256: str
 
     def to_body(self) -> dict[str, Any]:
-        return _fields(self, "task_id", "attempt", "name", "size", "sha256")
+        return _fields(self, *_LEASE_FIELDS, "name", "size", "sha256")
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Self:
         r = _Reader(body)
         return cls(
-            **_attempt_ref(r),
+            **_lease_ref(r),
             name=r.name("name"),
             size=r.integer("size"),
             sha256=r.hex64("sha256"),
