@@ -1918,7 +1918,10 @@ class Agent:
     async def _flush_artifacts(self, att: _Attempt) -> None:
         """Wait (up to ``artifact_flush_s``) until the attempt's queued artifacts
         are shipped: the control plane takes them only while the lease is held,
-        and the result ends the lease."""
+        and the result ends the lease. Not for a handed-back attempt: its report
+        must go out within the shutdown's ``handback_timeout_s``."""
+        if att.handback:
+            return
         rec = att.record
         key = (rec.task_id, rec.attempt)
         loop = asyncio.get_running_loop()
