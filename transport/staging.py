@@ -52,6 +52,8 @@ log = structlog.get_logger("fleetlease.staging")
 
 #: Bytes a stored message may carry beyond its data (headers).
 _MSG_OVERHEAD = 4096
+#: JetStream's error code for "stream name already in use".
+_STREAM_NAME_IN_USE = 10058
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -126,11 +128,15 @@ class Staging:
             try:
                 await js.stream_info(self.stream)
             except NotFoundError:
-                with contextlib.suppress(APIError):  # another process won the race
+                try:
                     await js.add_stream(self.config())
+                except APIError as exc:
+                    if exc.err_code != _STREAM_NAME_IN_USE:  # else another process won
+                        raise
             # Existing or just made by another process: these limits from now on.
             await js.update_stream(self.config())
         except (NatsError, TimeoutError) as exc:
+            log.error("staging_stream_unavailable", stream=self.stream, error=_reason(exc))
             raise Unavailable(f"artifact staging unavailable: {_reason(exc)}") from None
         self._ready = True
         return js
@@ -249,10 +255,12 @@ class Staging:
     # --- purging ---------------------------------------------------------------------
     async def purge(self, subject_filter: str) -> None:
         """Drop the staged chunks under ``subject_filter`` (best effort: what
-        stays is dropped at ``max_age_s``)."""
+        stays is dropped at ``max_age_s``). Never creates the stream."""
         try:
-            js = await self.js()
+            js = await self._jetstream()
             await js.purge_stream(self.stream, subject=subject_filter)
+        except NotFoundError:
+            return
         except (NatsError, TimeoutError, Unavailable) as exc:
             log.warning("staging_purge_failed", filter=subject_filter, error=_reason(exc))
 
@@ -264,8 +272,10 @@ class Staging:
         if not wanted:
             return 0
         try:
-            js = await self.js()
+            js = await self._jetstream()
             info = await js.stream_info(self.stream)
+        except NotFoundError:
+            return 0  # nothing was ever staged
         except (NatsError, TimeoutError, Unavailable) as exc:
             log.warning("staging_purge_failed", error=_reason(exc))
             return 0
