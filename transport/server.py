@@ -745,7 +745,8 @@ class Server:
             await self._artifact_chunk(s, m)
             return wire.encode_reply(wire.Ok())
         if isinstance(m, wire.ArtifactCommit):
-            await self._artifact_commit(s, m)
+            with self.staging.host_slot(s.host_id):
+                await self._artifact_commit(s, m)
             return wire.encode_reply(wire.Ok())
         raise wire.DecodeError("unknown_type", f"unexpected message {m.TYPE}")
 

@@ -19,9 +19,9 @@ Limits (``StagingLimits``; all bounds hold whatever a host sends):
   (their offset-0 subjects) before an upload's first chunk; with
   ``host_in_flight`` chunks of a host handled at once per server process, a
   host can overshoot by at most that many uploads per process;
-* a host has at most ``host_in_flight`` chunk requests in progress per server
-  process (``busy`` beyond): a flood from one host never holds the artifact
-  workers other hosts need;
+* a host has at most ``host_in_flight`` chunk or commit requests in progress
+  per server process (``busy`` beyond): a flood from one host never holds the
+  artifact workers other hosts need;
 * the stream holds at most ``total_bytes`` (``max_bytes`` with discard policy
   *new*: the server refuses a chunk that does not fit, ``quota``);
 * a staged chunk is dropped ``max_age_s`` after it was written, committed or
@@ -165,12 +165,12 @@ class Staging:
     # --- staging ---------------------------------------------------------------------
     @contextlib.contextmanager
     def host_slot(self, host_id: str) -> Iterator[None]:
-        """One of the host's ``host_in_flight`` chunk slots for the duration
+        """One of the host's ``host_in_flight`` request slots for the duration
         (``Busy`` when all are taken)."""
         used = self._in_flight.get(host_id, 0)
         if used >= self.limits.host_in_flight:
             raise Busy(
-                f"at most {self.limits.host_in_flight} artifact chunks of a host at once",
+                f"at most {self.limits.host_in_flight} artifact requests of a host at once",
                 reason="in_flight",
             )
         self._in_flight[host_id] = used + 1

@@ -211,9 +211,25 @@ async def test_chunks_and_commits_for_leases_the_host_does_not_hold_are_refused(
 async def test_an_ended_attempt_takes_no_chunks(system: System) -> None:
     h = await system.host("h1")
     a = await system.running(h)
+    assert isinstance(await chunk_of(system, h, a), wire.Ok)
     await h.client.result(a.task_id, a.attempt, a.lease_token, outcome="done", fingerprint="f")
-    assert code(await chunk_of(system, h, a)) in {"gone", "conflict"}
-    assert await staged(system) == {}
+    assert code(await chunk_of(system, h, a, name="late")) in {"gone", "conflict"}
+    # Nor is the upload staged before the result committed afterwards.
+    commit_s = system.subjects.artifact_commit("h1")
+    commit = wire.ArtifactCommit(
+        task_id=a.task_id,
+        attempt=a.attempt,
+        lease_token=a.lease_token,
+        name="a.bin",
+        size=1000,
+        sha256=hashlib.sha256(b"x" * 1000).hexdigest(),
+    )
+    await system.refused_without_change(commit_s, h.signer().seal(commit_s, commit), "gone")
+
+    async def purged() -> bool:
+        return not await staged(system)
+
+    await until(purged)
 
 
 async def test_a_stale_attempt_takes_no_chunks_and_an_expired_ones_chunks_go(
