@@ -106,7 +106,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -186,6 +186,8 @@ _MAX_PROGRESS = 1000
 _LOG_LINE_MAX_BYTES = wire.MAX_LOG_LINE_BYTES
 _LOG_BATCH_BYTES = 256 * 1024
 _SIDE_CHANNEL_ATTEMPTS = 5
+#: Side-channel refusals that a later retry may get past (staging quotas).
+_SIDE_RETRY_CODES = frozenset({"busy", "quota"})
 
 
 # -- errors -----------------------------------------------------------------------------
@@ -309,6 +311,9 @@ class AgentConfig:
     handback_timeout_s: float = 5.0
     #: Shutdown: time to flush queued logs and artifacts.
     flush_timeout_s: float = 2.0
+    #: Before reporting a result, time to ship the attempt's queued artifacts
+    #: (the control plane takes them only while the lease is held).
+    artifact_flush_s: float = 60.0
     log_queue_lines: int = 10_000
     artifact_queue_items: int = 32
     artifact_queue_bytes: int = 64 * 1024 * 1024
@@ -350,6 +355,7 @@ class AgentConfig:
             "grace_s",
             "handback_timeout_s",
             "flush_timeout_s",
+            "artifact_flush_s",
             "broker_refused_s",
         ):
             _non_negative(name, getattr(self, name))
@@ -465,6 +471,9 @@ class DropOldestQueue(Generic[Q]):
     def peek(self) -> Q:
         return self._items[0]
 
+    def __iter__(self) -> Iterator[Q]:
+        return iter(self._items)
+
     async def wait(self) -> None:
         """Return once the queue is not empty."""
         while not self._items:
@@ -520,6 +529,7 @@ class _LogLine:
 class _ArtifactItem:
     task_id: str
     attempt: int
+    lease_token: str = field(repr=False)
     name: str
     data: bytes = field(repr=False)
 
@@ -635,6 +645,9 @@ class Agent:
         )
         self._shipping_logs = 0
         self._shipping_artifacts = 0
+        self._shipping_artifact: tuple[str, int] | None = None
+        #: Set each time an artifact has been shipped (or given up).
+        self._artifact_shipped = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         # Created lazily in run(): asyncio primitives bind to the running loop.
@@ -1535,7 +1548,7 @@ class Agent:
             self._in_loop(lambda: self._enqueue_log(att, str(line)))
 
         def artifact(name: str, data: bytes) -> None:
-            item = _ArtifactItem(rec.task_id, rec.attempt, str(name), bytes(data))
+            item = _ArtifactItem(rec.task_id, rec.attempt, rec.lease_token, str(name), bytes(data))
             self._in_loop(lambda: self._enqueue_artifact(item))
 
         def progress(message: str) -> None:
@@ -1671,6 +1684,7 @@ class Agent:
         att.reporting = True
         backoff = Backoff(self.config.backoff_base_s, self.config.backoff_cap_s, rng=self._rng)
         try:
+            await self._flush_artifacts(att)
             while not att.lost.is_set():
                 try:
                     reply = await self._call(
@@ -1831,7 +1845,7 @@ class Agent:
                 await self._call(fn)
                 return True
             except RemoteError as exc:
-                if exc.code not in _TRANSIENT_CODES:
+                if exc.code not in _TRANSIENT_CODES and exc.code not in _SIDE_RETRY_CODES:
                     log.warning(f"{what}_rejected", code=exc.code, error=exc.message, **fields)
                     return False
                 await asyncio.sleep(backoff.next_delay())
@@ -1888,15 +1902,45 @@ class Agent:
             await self._artifacts.wait()
             item = self._artifacts.popleft()
             self._shipping_artifacts = 1
+            self._shipping_artifact = (item.task_id, item.attempt)
             try:
                 await self._send_artifact(item)
             finally:
                 self._shipping_artifacts = 0
+                self._shipping_artifact = None
+                self._artifact_shipped.set()
+
+    def _artifacts_pending(self, key: tuple[str, int]) -> bool:
+        return self._shipping_artifact == key or any(
+            (i.task_id, i.attempt) == key for i in self._artifacts
+        )
+
+    async def _flush_artifacts(self, att: _Attempt) -> None:
+        """Wait (up to ``artifact_flush_s``) until the attempt's queued artifacts
+        are shipped: the control plane takes them only while the lease is held,
+        and the result ends the lease. Not for a handed-back attempt: its report
+        must go out within the shutdown's ``handback_timeout_s``."""
+        if att.handback:
+            return
+        rec = att.record
+        key = (rec.task_id, rec.attempt)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.artifact_flush_s
+        while self._artifacts_pending(key) and not att.lost.is_set():
+            left = deadline - loop.time()
+            if left <= 0:
+                log.warning("artifact_flush_timed_out", task_id=rec.task_id, attempt=rec.attempt)
+                return
+            self._artifact_shipped.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._artifact_shipped.wait(), min(left, 1.0))
 
     async def _send_artifact(self, item: _ArtifactItem) -> None:
         sent = await self._side_send(
             "artifact",
-            lambda c: c.upload_artifact(item.task_id, item.attempt, item.name, item.data),
+            lambda c: c.upload_artifact(
+                item.task_id, item.attempt, item.lease_token, item.name, item.data
+            ),
             task_id=item.task_id,
             attempt=item.attempt,
             name=item.name,

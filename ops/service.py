@@ -87,6 +87,9 @@ class ControlPlaneService:
     #: expire). Every connection re-proves its principal this often, so a host
     #: or user revoked while a kick failed is out within one lifetime at most.
     broker_jwt_expires_s: float | None = 300.0
+    #: Artifact staging limits (``transport.staging.StagingLimits``; its
+    #: defaults when None).
+    staging: Any = None
 
     engine: AsyncEngine | None = None
     repo: Repository | None = None
@@ -131,6 +134,7 @@ class ControlPlaneService:
                 heartbeat_s=self.heartbeat_s,
                 connect_options=connect_options,
                 storage_connect_options=storage_options,
+                staging=self.staging,
             )
             await self.server.start()
         except BaseException:

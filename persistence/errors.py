@@ -63,6 +63,23 @@ class Invalid(RepositoryError):
         self.field = field
 
 
+class QuotaExceeded(RepositoryError):
+    """A storage quota is used up (a host's share of artifact staging, or the
+    staging as a whole). Space comes back as uploads are committed or their
+    attempts end; retrying later may succeed."""
+
+    code = "quota"
+    retryable = True
+
+
+class Busy(RepositoryError):
+    """The caller already has as many requests of this kind in progress as it
+    may; retry once one of them is answered."""
+
+    code = "busy"
+    retryable = True
+
+
 class Unavailable(RepositoryError):
     """The database could not be reached or the outcome of a commit is unknown and
     could not be read back. Safe to retry."""

@@ -1937,6 +1937,34 @@ class Repository:
 
         return await self._tx("renew", run, driver=True)
 
+    async def check_holds(
+        self, session: Session, task_id: str, attempt: int, lease_token: str
+    ) -> LeaseStatus:
+        """Read only: whether the session's host holds this lease now, fenced
+        exactly as a renewal is (session, token, owner, attempt, state,
+        deadline) and with the renewal's errors, but extending nothing. For the
+        side channels that must take data only for a lease held now."""
+        tid = self._check_lease_args(session, task_id, attempt, lease_token)
+        r = Renewal(session=session, task_id=tid, attempt=attempt, lease_token=lease_token)
+
+        async def run(conn: Any, now: datetime) -> LeaseStatus | None:
+            rows = await conn.fetch(_RENEW_READ_SQL, [tid], [attempt], [session.host_id])
+            if not rows:
+                return None
+            deadline = self._fence_renewal(rows[0], r, now)
+            return self._status(rows[0], rows[0]["status"], deadline)
+
+        status = await self._raw("check_holds", run)
+        if status is not None:
+            return status
+        out: list[LeaseStatus | Exception | None] = [None]
+
+        async def refusal(conn: AsyncConnection, now: datetime) -> None:
+            await self._renewals_without_row(conn, [r], [tid], [0], out)
+
+        await self._tx("check_holds", refusal)
+        raise out[0] if isinstance(out[0], Exception) else Conflict("no such attempt")
+
     async def _renewals_without_row(
         self,
         conn: AsyncConnection,

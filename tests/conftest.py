@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -141,9 +142,31 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture
-def subject_prefix() -> str:
-    """A subject prefix of this test's own, so tests sharing a server never meet."""
-    return f"t{uuid.uuid4().hex[:12]}"
+def subject_prefix(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A subject prefix of this test's own, so tests sharing a server never meet.
+    Afterwards the prefix's artifact staging stream is deleted from the test
+    NATS server, if the test made one: its byte cap is reserved on the server
+    (JetStream reserves a file stream's ``max_bytes``) for as long as it exists."""
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    yield prefix
+    if "nats_url" in request.fixturenames:
+        url = request.getfixturevalue("nats_url")
+        run_async(lambda: _drop_staging(url, prefix))
+
+
+async def _drop_staging(url: str, prefix: str) -> None:
+    import nats
+    from nats.errors import Error as NatsError
+
+    try:
+        nc = await nats.connect(url, allow_reconnect=False, connect_timeout=2)
+    except Exception:  # a secured or stopped server: nothing of ours to drop
+        return
+    try:
+        with contextlib.suppress(NatsError, TimeoutError):  # none made, or no JetStream
+            await nc.jetstream(timeout=5).delete_stream(f"FLEETLEASE_UPLOADS_{prefix}")
+    finally:
+        await nc.close()
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ log = structlog.get_logger("fleetlease.client")
 M = TypeVar("M", bound=wire.Message)
 
 DEFAULT_TIMEOUT_S = 10.0
-ARTIFACT_CHUNK = 128 * 1024
+ARTIFACT_CHUNK = wire.ARTIFACT_CHUNK_BYTES
 
 
 RECONNECT_WAIT_S = 1.0
@@ -322,7 +322,11 @@ class HostClient:
             wire.Ok,
         )
 
-    async def upload_artifact(self, task_id: str, attempt: int, name: str, data: bytes) -> None:
+    async def upload_artifact(
+        self, task_id: str, attempt: int, lease_token: str, name: str, data: bytes
+    ) -> None:
+        """Upload ``data`` as artifact ``name`` of an attempt whose lease the
+        host holds (the control plane refuses it for any other)."""
         subject = self.subjects.artifact_chunk(self.host_id)
         for offset in range(0, len(data), ARTIFACT_CHUNK):
             chunk = data[offset : offset + ARTIFACT_CHUNK]
@@ -330,7 +334,12 @@ class HostClient:
                 Channel.ARTIFACTS,
                 subject,
                 wire.ArtifactChunk(
-                    task_id=task_id, attempt=attempt, name=name, offset=offset, data=chunk
+                    task_id=task_id,
+                    attempt=attempt,
+                    lease_token=lease_token,
+                    name=name,
+                    offset=offset,
+                    data=chunk,
                 ),
                 wire.Ok,
             )
@@ -340,6 +349,7 @@ class HostClient:
             wire.ArtifactCommit(
                 task_id=task_id,
                 attempt=attempt,
+                lease_token=lease_token,
                 name=name,
                 size=len(data),
                 sha256=hashlib.sha256(data).hexdigest(),

@@ -28,13 +28,16 @@ written past that point):
 Only then is the request handed to the actor system (``actors.runtime.ControlPlane``)
 or, for logs and artifacts, to the repository and the JetStream object store.
 
-Artifacts: chunks are staged in a JetStream stream of their own (one subject per
-host, attempt, artifact and offset, last message per subject kept), so any
-``fleetlease serve`` process of a queue group can take any chunk and any of them
-can take the commit. The commit reassembles the chunks in offset order, checks
-size and SHA-256, stores the object under a content-addressed name in the
-object store, and only then records it through the repository. A mismatch is a
-``conflict`` and nothing is recorded.
+Artifacts: chunks are staged in a JetStream stream of their own
+(``transport.staging``: one subject per host, attempt, artifact and offset, and
+the limits on it), so any ``fleetlease serve`` process of a queue group can take
+any chunk and any of them can take the commit. A chunk or commit is taken only
+for a lease the host holds now, fenced as a renewal is
+(``Repository.check_holds``); an attempt's staged chunks are purged when it
+ends. The commit reassembles the chunks in offset order, checks size and
+SHA-256, stores the object under a content-addressed name in the object store,
+and only then records it through the repository. A mismatch is a ``conflict``
+and nothing is recorded.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import hashlib
 import os
 import tempfile
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import IO, TYPE_CHECKING, Any, Protocol, cast
@@ -70,6 +73,7 @@ from fleetlease.persistence.model import DeviceSnapshot, JournalEntry, LeaseTimi
 from fleetlease.transport import wire
 from fleetlease.transport.auth import AuthError, Verifier, session_key
 from fleetlease.transport.broker_auth import open_register_proof
+from fleetlease.transport.staging import Staging, StagingLimits
 from fleetlease.transport.subjects import IDENTIFY_VERB, Channel, Subjects, queue_group
 
 if TYPE_CHECKING:
@@ -93,10 +97,9 @@ HOST_VERBS: dict[tuple[Channel, str], type[wire.Message]] = {
     (Channel.ARTIFACTS, "commit"): wire.ArtifactCommit,
 }
 
-MAX_ARTIFACT_BYTES = 256 * 1024 * 1024
 ARTIFACT_BUCKET = "fleetlease-artifacts"
-#: Staged chunks of an upload nobody committed are dropped after this long.
-STAGING_MAX_AGE_S = 24 * 3600.0
+#: Task states in which an attempt still holds its lease (staging is kept).
+_HELD_STATES = frozenset({"assigned", "dispatched", "running"})
 _INT64_MAX = 2**63 - 1
 #: What an unknown host's register proof is checked against (never matches).
 _DUMMY_HASH = hashlib.sha256(b"fleetlease: no such host").digest()
@@ -243,6 +246,7 @@ class Server:
         storage_connect_options: dict[str, Any] | None = None,
         replay_window_s: float | None = None,
         auth_clock: Clock | None = None,
+        staging: StagingLimits | None = None,
     ) -> None:
         self.nats_url = nats_url
         self.cp = control_plane
@@ -278,7 +282,6 @@ class Server:
         self._loop_thread: int | None = None
         self._js_lock = asyncio.Lock()
         self._object_store: Any = None
-        self._staging_ready = False
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fleetlease-artifact-io")
         self._events_nc: NatsClient | None = None
         self._stopping = False
@@ -287,7 +290,15 @@ class Server:
         prefix_id = self.subjects.prefix.replace(".", "-")
         self.artifact_bucket = f"{ARTIFACT_BUCKET}-{prefix_id}"
         self.staging_stream = f"FLEETLEASE_UPLOADS_{prefix_id}"
-        self._staging_root = f"{self.subjects.prefix}._uploads"
+        #: Artifact staging and its limits (``transport.staging``).
+        self.staging = Staging(
+            self._js,
+            stream=self.staging_stream,
+            root=f"{self.subjects.prefix}._uploads",
+            limits=staging or StagingLimits(),
+        )
+        self._ended: set[tuple[str, str, int]] = set()
+        self._purging = False
         #: Cross-process long-poll wakeups (see ``_on_event``).
         self._wake_subject = f"{self.subjects.prefix}._wake"
         self._instance = os.urandom(8)
@@ -335,6 +346,7 @@ class Server:
             self._wake_sub = await jobs_nc.subscribe(self._wake_subject, cb=self._on_wake_notice)
             await jobs_nc.flush()
             self.cp.add_listener(self._on_event)
+            self.cp.add_listener(self._on_attempt_event)
         except BaseException:
             await self.stop(grace_s=0)
             raise
@@ -584,7 +596,7 @@ class Server:
                 raise wire.DecodeError("nul_character", f"{m.TYPE} contains a NUL character")
             return m
         if isinstance(m, wire.ArtifactChunk):
-            _reject_nul(m.name, "name")
+            _reject_nul([m.name, m.lease_token], m.TYPE)
             return m
         if isinstance(m, wire.Heartbeat):
             seen: set[str] = set()
@@ -672,6 +684,7 @@ class Server:
                     for e in m.entries
                 ],
             )
+            self._purge_staged((e.host_id, e.task_id, e.attempt) for e in report.lost)
             return wire.encode_reply(
                 wire.ReconcileResult(
                     generation=report.generation,
@@ -765,17 +778,12 @@ class Server:
             await self._artifact_chunk(s, m)
             return wire.encode_reply(wire.Ok())
         if isinstance(m, wire.ArtifactCommit):
-            await self._artifact_commit(s, m)
+            with self.staging.host_slot(s.host_id):
+                await self._artifact_commit(s, m)
             return wire.encode_reply(wire.Ok())
         raise wire.DecodeError("unknown_type", f"unexpected message {m.TYPE}")
 
     # --- artifacts -------------------------------------------------------------------
-    def _chunk_subject(self, s: Session, task_id: str, attempt: int, name: str, offset: int) -> str:
-        # The name is the host's choice: hash it into one subject token. The host
-        # id is part of the subject, so no host can touch another's staging.
-        name_id = hashlib.sha256(name.encode("utf-8")).hexdigest()[:32]
-        return f"{self._staging_root}.{s.host_id}.{task_id}.{attempt}.{name_id}.{offset}"
-
     @staticmethod
     def object_name(task_id: str, attempt: int, name: str, sha256: str) -> str:
         """Content-addressed within the attempt: writing it again can only ever
@@ -787,27 +795,6 @@ class Server:
         if nc is None:
             raise Unavailable("the artifact store connection is closed")
         return nc.jetstream(timeout=10.0)
-
-    async def _staging(self) -> Any:
-        js = await self._js()
-        if not self._staging_ready:
-            async with self._js_lock:
-                if not self._staging_ready:
-                    try:
-                        await js.stream_info(self.staging_stream)
-                    except NotFoundError:
-                        with contextlib.suppress(Exception):
-                            await js.add_stream(
-                                name=self.staging_stream,
-                                subjects=[f"{self._staging_root}.>"],
-                                max_age=STAGING_MAX_AGE_S,
-                                max_msgs_per_subject=1,
-                                max_msg_size=wire.MAX_CHUNK_BYTES + 4096,
-                            )
-                        # Another process may have won the race: it must exist now.
-                        await js.stream_info(self.staging_stream)
-                    self._staging_ready = True
-        return js
 
     async def _store(self) -> Any:
         if self._object_store is None:
@@ -823,22 +810,25 @@ class Server:
         return self._object_store
 
     async def _artifact_chunk(self, s: Session, m: wire.ArtifactChunk) -> None:
-        if m.offset + len(m.data) > MAX_ARTIFACT_BYTES:
-            raise Invalid(f"artifacts are limited to {MAX_ARTIFACT_BYTES} bytes", field="offset")
-        if not m.data:
-            return  # nothing to stage; an empty artifact is a commit of size 0
-        js = await self._staging()
-        subject = self._chunk_subject(s, m.task_id, m.attempt, m.name, m.offset)
-        await js.publish(subject, m.data, stream=self.staging_stream)
+        """Stage one chunk: only for a lease the host holds now (fenced as a
+        renewal, nothing staged otherwise), within the staging limits."""
+        with self.staging.host_slot(s.host_id):
+            await self.repo.check_holds(s, m.task_id, m.attempt, m.lease_token)
+            if not m.data:
+                return  # nothing to stage; an empty artifact is a commit of size 0
+            await self.staging.stage(s.host_id, m.task_id, m.attempt, m.name, m.offset, m.data)
 
     async def _artifact_commit(self, s: Session, m: wire.ArtifactCommit) -> None:
         """Reassemble and verify the staged chunks (``conflict`` on any mismatch,
-        nothing recorded); record the artifact (fenced by the repository: another
-        host's attempt is refused before any object is written); then store the
-        object. A failed store leaves a record whose object is missing until the
-        host's retry of the commit (the record is idempotent) stores it."""
-        if m.size > MAX_ARTIFACT_BYTES:
-            raise Invalid(f"artifacts are limited to {MAX_ARTIFACT_BYTES} bytes", field="size")
+        nothing recorded, the upload's chunks dropped); record the artifact
+        (fenced: only for a lease the host holds now); then store the object. A
+        failed store leaves a record whose object is missing until the host's
+        retry of the commit (the record is idempotent) stores it."""
+        limit = self.staging.limits.max_artifact_bytes
+        if m.size > limit:
+            raise Invalid(f"artifacts are limited to {limit} bytes", field="size")
+        await self.repo.check_holds(s, m.task_id, m.attempt, m.lease_token)
+        upload = self.staging.artifact_filter(s.host_id, m.task_id, m.attempt, m.name)
         object_name = self.object_name(m.task_id, m.attempt, m.name, m.sha256)
         store = await self._store()
         stored = await self._stored(store, object_name, m.size)
@@ -846,7 +836,11 @@ class Server:
         f = os.fdopen(fd, "w+b")
         try:
             if not stored:
-                await self._assemble(s, m, f)
+                try:
+                    await self._assemble(s, m, f)
+                except Conflict:
+                    await self.staging.purge(upload)
+                    raise
             await self.repo.record_artifact(
                 s,
                 m.task_id,
@@ -870,10 +864,7 @@ class Server:
             name=m.name,
             size=m.size,
         )
-        js = await self._staging()
-        filter_subject = self._chunk_subject(s, m.task_id, m.attempt, m.name, 0)[:-2] + ".>"
-        with contextlib.suppress(Exception):
-            await js.purge_stream(self.staging_stream, subject=filter_subject)
+        await self.staging.purge(upload)
 
     @staticmethod
     async def _stored(store: Any, object_name: str, size: int) -> bool:
@@ -886,19 +877,11 @@ class Server:
     async def _assemble(self, s: Session, m: wire.ArtifactCommit, f: IO[bytes]) -> None:
         """The staged chunks from offset 0, in order, into ``f``; ``Conflict``
         unless they add up to exactly ``m.size`` bytes with digest ``m.sha256``."""
-        js = await self._staging()
         loop = asyncio.get_running_loop()
         digest = hashlib.sha256()
         offset = 0
         while offset < m.size:
-            subject = self._chunk_subject(s, m.task_id, m.attempt, m.name, offset)
-            try:
-                raw = await js.get_last_msg(self.staging_stream, subject)
-            except NotFoundError:
-                raise Conflict(
-                    f"artifact {m.name!r}: no chunk at offset {offset}", field="size"
-                ) from None
-            data = bytes(raw.data or b"")
+            data = await self.staging.chunk(s.host_id, m.task_id, m.attempt, m.name, offset)
             if not data or offset + len(data) > m.size:
                 raise Conflict(
                     f"artifact {m.name!r}: chunks do not add up to {m.size} bytes", field="size"
@@ -911,6 +894,36 @@ class Server:
                 f"artifact {m.name!r}: digest does not match the chunks received", field="sha256"
             )
         await loop.run_in_executor(self._io, _rewind, f)
+
+    def _on_attempt_event(self, event: Any) -> None:
+        """Listener for the actor system's events (on the loop): an attempt that
+        no longer holds its lease (result, expiry) has its staged chunks purged."""
+        if not isinstance(event, dict):
+            return
+        host, task, attempt = event.get("host_id"), event.get("task_id"), event.get("attempt")
+        if event.get("state") in _HELD_STATES or not isinstance(host, str):
+            return
+        if not isinstance(task, str) or not isinstance(attempt, int) or attempt < 1:
+            return
+        self._purge_staged([(host, task, attempt)])
+
+    def _purge_staged(self, ended: Iterable[tuple[str, str, int]]) -> None:
+        """Purge the staged chunks of these ended (host, task, attempt)s soon:
+        in batches, one purge task at a time (``Staging.purge_attempts``)."""
+        if self._stopping:
+            return
+        self._ended.update(ended)
+        if self._ended and not self._purging:
+            self._purging = True
+            _background(self._purge_ended())
+
+    async def _purge_ended(self) -> None:
+        try:
+            while self._ended and not self._stopped:
+                ended, self._ended = self._ended, set()
+                await self.staging.purge_attempts(ended)
+        finally:
+            self._purging = False
 
     async def read_artifact(self, object_name: str) -> bytes:
         store = await self._store()
@@ -930,7 +943,7 @@ class Server:
         with contextlib.suppress(Exception):
             await js.delete_stream(self.staging_stream)
         self._object_store = None
-        self._staging_ready = False
+        self.staging.forget()
 
     # --- ops and events ---------------------------------------------------------------
     async def _ops_message(self, msg: Msg, may_wait: bool) -> bytes:

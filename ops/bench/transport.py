@@ -34,6 +34,7 @@ from fleetlease.ops.service import ControlPlaneService
 from fleetlease.persistence.model import LeaseTimings, TaskKind, TaskSpec
 from fleetlease.transport import wire
 from fleetlease.transport.client import HostClient
+from fleetlease.transport.staging import StagingLimits
 from fleetlease.transport.subjects import Channel
 
 
@@ -107,6 +108,8 @@ async def run(args: argparse.Namespace) -> None:
         prefix=prefix,
         timings=LeaseTimings(claim_s=60, ack_s=60, lease_s=120, liveness_s=600),
         scheduler_interval_s=1.0,
+        # The bench's one host sends every chunk request at once.
+        staging=StagingLimits(host_in_flight=max(args.concurrency, 1)),
     )
     await svc.start()
     clients: list[HostClient] = []
@@ -187,6 +190,23 @@ async def run(args: argparse.Namespace) -> None:
         n, conc = args.requests, args.concurrency
         devices = [wire.Device(device_id=f"bench-h1-d{i}") for i in range(args.devices)]
         chunk = os.urandom(64 * 1024)
+
+        def artifact_chunk(i: int) -> Awaitable[Any]:
+            return h._signed(
+                Channel.ARTIFACTS,
+                h.subjects.artifact_chunk(h.host_id),
+                wire.ArtifactChunk(
+                    task_id=live[0].task_id,
+                    attempt=live[0].attempt,
+                    lease_token=live[0].lease_token,
+                    name="bench",
+                    offset=(i % 1024) * wire.ARTIFACT_CHUNK_BYTES,
+                    data=chunk,
+                ),
+                wire.Ok,
+            )
+
+        await artifact_chunk(0)  # an upload starts at offset 0
         lines = [f"log line {i:04d} " + "x" * 60 for i in range(100)]
         rates = {
             "control (heartbeat)": await _rate(n, conc, lambda i: h.heartbeat(devices)),
@@ -204,22 +224,7 @@ async def run(args: argparse.Namespace) -> None:
                 conc,
                 lambda i: h.append_logs(live[0].task_id, live[0].attempt, i * 100, lines),
             ),
-            "artifacts (64 KiB chunk)": await _rate(
-                max(n // 4, 1),
-                conc,
-                lambda i: h._signed(
-                    Channel.ARTIFACTS,
-                    h.subjects.artifact_chunk(h.host_id),
-                    wire.ArtifactChunk(
-                        task_id=live[0].task_id,
-                        attempt=live[0].attempt,
-                        name=f"bench-{i}",
-                        offset=0,
-                        data=chunk,
-                    ),
-                    wire.Ok,
-                ),
-            ),
+            "artifacts (64 KiB chunk)": await _rate(max(n // 4, 1), conc, artifact_chunk),
         }
         print(f"throughput ({n} requests per channel, {conc} in flight):")
         for name, rate in rates.items():

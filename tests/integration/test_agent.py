@@ -228,6 +228,22 @@ async def test_goal_and_workflow_tasks_run_to_done(
     assert running.agent.stats.results_reported == 2
 
 
+async def test_an_artifact_emitted_last_is_shipped_before_the_result(
+    make_system: Callable[..., Awaitable[System]],
+) -> None:
+    """The control plane takes artifacts only while the lease is held: the
+    agent ships an attempt's queued artifacts before it reports the result."""
+    system = await make_system()
+    running = await system.start_agent("h1", devices=1)
+    size = 4 * 1024 * 1024  # 32 chunks, emitted as the runner returns
+    goal = await system.submit({"duration_s": 0, "artifact_bytes": size})
+    await system.wait_state(goal, "done")
+    (artifact,) = await system.repo.list_artifacts(goal, ADMIN)
+    assert artifact["size"] == size
+    assert running.agent.stats.artifacts_sent == 1
+    assert running.agent.stats.artifacts_dropped == 0
+
+
 async def test_lease_flips_send_no_heartbeat_but_an_outside_change_is_sent_at_once(
     make_system: Callable[..., Awaitable[System]],
 ) -> None:

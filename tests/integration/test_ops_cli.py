@@ -374,7 +374,9 @@ async def test_every_command_has_its_documented_json_shape(system: System, host:
     a = await host.take()
     assert a.task_id == task_id
     await host.client.append_logs(task_id, a.attempt, 0, ["hello", "world"])
-    await host.client.upload_artifact(task_id, a.attempt, "screen.png", b"\x89PNG" * 100)
+    await host.client.upload_artifact(
+        task_id, a.attempt, a.lease_token, "screen.png", b"\x89PNG" * 100
+    )
     await host.finish(a, answer=42)
 
     task = await system.show(task_id)
@@ -538,7 +540,7 @@ async def test_artifacts_download_writes_the_bytes(
     task_id = await system.submit(admin, "--goal", "shoot")
     a = await host.take()
     data = bytes(range(256)) * 4000  # ~1 MB: several slices
-    await host.client.upload_artifact(task_id, a.attempt, "blob.bin", data)
+    await host.client.upload_artifact(task_id, a.attempt, a.lease_token, "blob.bin", data)
     await host.finish(a)
     target = tmp_path / "out.bin"
     run = await system.cli(
@@ -716,7 +718,7 @@ async def test_no_output_of_any_command_contains_a_lease_token_hash_credential_o
     done_id = await system.submit(alice, "--goal", "done", "--project", "pa")
     a = await host.take()
     await host.client.append_logs(done_id, a.attempt, 0, ["log"])
-    await host.client.upload_artifact(done_id, a.attempt, "a.txt", b"artifact")
+    await host.client.upload_artifact(done_id, a.attempt, a.lease_token, "a.txt", b"artifact")
     await host.finish(a)
     hang_id = await system.submit(alice, "--goal", "hang", "--project", "pa")
     b = await host.take()

@@ -153,7 +153,7 @@ async def test_serve_runs_a_host_end_to_end_and_stops_cleanly_on_sigterm(
         assert (await c.renew(a.task_id, a.attempt, a.lease_token)).state == "running"
         await c.append_logs(a.task_id, a.attempt, 0, ["hello", "world"])
         blob = os.urandom(200_000)
-        await c.upload_artifact(a.task_id, a.attempt, "out.bin", blob)
+        await c.upload_artifact(a.task_id, a.attempt, a.lease_token, "out.bin", blob)
         res = await c.result(a.task_id, a.attempt, a.lease_token, outcome="done", fingerprint="f")
         assert res.state == "done"
         logs = await repo.read_logs(task_id, ADMIN)

@@ -332,11 +332,9 @@ def _lease_msgs(task_id: str, attempt: int, token: str) -> dict[str, wire.Messag
         "result": wire.Result(**lease, outcome=wire.Outcome.DONE, fingerprint="evil"),
         "cancel_poll": wire.CancelPoll(**lease),
         "append": wire.LogAppend(task_id=task_id, attempt=attempt, first_seq=0, lines=["x"]),
-        "chunk": wire.ArtifactChunk(
-            task_id=task_id, attempt=attempt, name="a", offset=0, data=b"x"
-        ),
+        "chunk": wire.ArtifactChunk(**lease, name="a", offset=0, data=b"x"),
         "commit": wire.ArtifactCommit(
-            task_id=task_id, attempt=attempt, name="a", size=1,
+            **lease, name="a", size=1,
             sha256=hashlib.sha256(b"x").hexdigest(),
         ),
     }  # fmt: skip
@@ -529,7 +527,9 @@ async def test_a_result_for_another_hosts_task_is_refused(system: System) -> Non
         ),
         lambda: ha.client.renew(b_task.task_id, b_task.attempt, b_task.lease_token),
         lambda: ha.client.append_logs(b_task.task_id, b_task.attempt, 0, ["not mine"]),
-        lambda: ha.client.upload_artifact(b_task.task_id, b_task.attempt, "a", b"not mine"),
+        lambda: ha.client.upload_artifact(
+            b_task.task_id, b_task.attempt, b_task.lease_token, "a", b"not mine"
+        ),
     ):
         before = await system.snapshot()
         with pytest.raises(wire.RemoteError) as err:
@@ -587,8 +587,8 @@ async def test_stalled_logs_and_artifacts_never_delay_control_and_jobs(system: S
                 signer.seal(
                     chunk_subject,
                     wire.ArtifactChunk(
-                        task_id=a.task_id, attempt=a.attempt, name=f"a{i}", offset=0,
-                        data=os.urandom(64 * 1024),
+                        task_id=a.task_id, attempt=a.attempt, lease_token=a.lease_token,
+                        name="a", offset=0, data=os.urandom(64 * 1024),
                     ),
                 ),
                 timeout=110,
@@ -616,15 +616,23 @@ async def test_stalled_logs_and_artifacts_never_delay_control_and_jobs(system: S
     assert (await c.ack(b.task_id, b.attempt, b.lease_token)).state == "running"
     assert (await c.progress(b.task_id, b.attempt, b.lease_token, seq=1)).state == "running"
     assert not (await c.cancel_poll(b.task_id, b.attempt, b.lease_token)).cancel_requested
-    res = await c.result(a.task_id, a.attempt, a.lease_token, outcome="done", fingerprint="f")
+    res = await c.result(b.task_id, b.attempt, b.lease_token, outcome="done", fingerprint="f")
     assert res.state == "done"
-    await c.reconcile([])
+    await c.reconcile(
+        [wire.ReconcileEntry(task_id=a.task_id, attempt=a.attempt, lease_token=a.lease_token)]
+    )
     assert not any(p.done() for p in piled)
-    # Released, the piled-up requests are all served.
+    # Released, the piled-up requests are all served: the chunks beyond the
+    # host's chunks-at-once limit with a typed "busy".
     system.server.unstall(Channel.LOGS)
     system.server.unstall(Channel.ARTIFACTS)
-    replies = await asyncio.gather(*piled)
-    assert all(isinstance(wire.decode(r.data).msg, wire.Ok) for r in replies)
+    replies = [wire.decode(r.data).msg for r in await asyncio.gather(*piled)]
+    assert all(isinstance(m, wire.Ok) for m in replies[:40])
+    assert all(
+        isinstance(m, wire.Ok) or (isinstance(m, wire.Error) and m.code == "busy")
+        for m in replies[40:]
+    ), replies[40:]
+    assert any(isinstance(m, wire.Ok) for m in replies[40:])
     lines = await system.repo.read_logs(a.task_id, ADMIN, limit=1000)
     assert len(lines) == 400
 
@@ -656,8 +664,8 @@ async def test_artifact_upload_is_chunked_checked_and_readable(system: System) -
     h = await system.host("h1")
     a = await system.running(h)
     data = os.urandom(300 * 1024 + 7)  # three chunks of the client's 128 KiB
-    await h.client.upload_artifact(a.task_id, a.attempt, "screen.png", data)
-    await h.client.upload_artifact(a.task_id, a.attempt, "empty.txt", b"")
+    await h.client.upload_artifact(a.task_id, a.attempt, a.lease_token, "screen.png", data)
+    await h.client.upload_artifact(a.task_id, a.attempt, a.lease_token, "empty.txt", b"")
     rows = {r["name"]: r for r in await system.repo.list_artifacts(a.task_id, ADMIN)}
     assert rows["screen.png"]["size"] == len(data)
     assert rows["screen.png"]["sha256"] == hashlib.sha256(data).hexdigest()
@@ -665,7 +673,7 @@ async def test_artifact_upload_is_chunked_checked_and_readable(system: System) -
     assert await system.server.read_artifact(rows["empty.txt"]["object_name"]) == b""
     # A retried commit (lost reply) is answered the same and records nothing new.
     before = await system.snapshot()
-    await h.client.upload_artifact(a.task_id, a.attempt, "screen.png", data)
+    await h.client.upload_artifact(a.task_id, a.attempt, a.lease_token, "screen.png", data)
     assert await system.snapshot() == before
 
 
@@ -677,23 +685,31 @@ async def test_artifact_commit_with_wrong_size_or_digest_is_conflict_and_records
     signer = h.signer()
     chunk_s = system.subjects.artifact_chunk("h1")
     commit_s = system.subjects.artifact_commit("h1")
-    data = os.urandom(1000)
-    for offset in (0, 600):
-        part = data[offset : offset + 600]
-        chunk = wire.ArtifactChunk(
-            task_id=a.task_id, attempt=a.attempt, name="f", offset=offset, data=part
-        )
-        assert isinstance(await system.raw(chunk_s, signer.seal(chunk_s, chunk)), wire.Ok)
+    unit = wire.ARTIFACT_CHUNK_BYTES
+    data = os.urandom(unit + 400)
+    lease = {"task_id": a.task_id, "attempt": a.attempt, "lease_token": a.lease_token}
+
+    async def stage() -> None:
+        for offset in (0, unit):
+            part = data[offset : offset + unit]
+            chunk = wire.ArtifactChunk(**lease, name="f", offset=offset, data=part)
+            assert isinstance(await system.raw(chunk_s, signer.seal(chunk_s, chunk)), wire.Ok)
+
     good = hashlib.sha256(data).hexdigest()
-    for size, digest in ((1000, hashlib.sha256(b"other").hexdigest()), (999, good), (1001, good)):
-        commit = wire.ArtifactCommit(
-            task_id=a.task_id, attempt=a.attempt, name="f", size=size, sha256=digest
-        )
+    size = len(data)
+    for bad_size, digest in (
+        (size, hashlib.sha256(b"other").hexdigest()),
+        (size - 1, good),
+        (size + 1, good),
+    ):
+        await stage()
+        commit = wire.ArtifactCommit(**lease, name="f", size=bad_size, sha256=digest)
         await system.refused_without_change(commit_s, signer.seal(commit_s, commit), "conflict")
     assert await system.repo.list_artifacts(a.task_id, ADMIN) == []
-    commit = wire.ArtifactCommit(
-        task_id=a.task_id, attempt=a.attempt, name="f", size=1000, sha256=good
-    )
+    # A refused commit drops the upload's chunks: committing again finds none.
+    commit = wire.ArtifactCommit(**lease, name="f", size=size, sha256=good)
+    await system.refused_without_change(commit_s, signer.seal(commit_s, commit), "conflict")
+    await stage()
     assert isinstance(await system.raw(commit_s, signer.seal(commit_s, commit)), wire.Ok)
     (row,) = await system.repo.list_artifacts(a.task_id, ADMIN)
     assert await system.server.read_artifact(row["object_name"]) == data

@@ -259,10 +259,13 @@ async def test_unknown_type_and_wrong_type_for_the_verb_are_bad_request(edge: Ed
         ("cancel_poll", {"task_id": TASK, "lease_token": TOKEN}),
         ("log_append", {"task_id": TASK, "attempt": 1}),
         ("log_append", {"task_id": TASK, "attempt": 1, "first_seq": 0, "lines": ["x" * 9000]}),
-        ("artifact_chunk", {"task_id": TASK, "attempt": 1, "name": "a", "offset": 0}),
-        ("artifact_chunk", {"task_id": TASK, "attempt": 1, "name": "a", "offset": 0,
+        ("artifact_chunk", {"task_id": TASK, "attempt": 1, "lease_token": TOKEN, "name": "a",
+                            "offset": 0}),
+        ("artifact_chunk", {"task_id": TASK, "attempt": 1, "lease_token": TOKEN, "name": "a",
+                            "offset": 0,
                             "data": b"x" * (256 * 1024 + 1)}),
-        ("artifact_commit", {"task_id": TASK, "attempt": 1, "name": "a", "size": 1,
+        ("artifact_commit", {"task_id": TASK, "attempt": 1, "lease_token": TOKEN, "name": "a",
+                             "size": 1,
                              "sha256": "XYZ"}),
     ],
 )  # fmt: skip
@@ -594,8 +597,12 @@ def _retype_for(subject: str, signer: Signer) -> bytes:
         "result": wire.Result(**lease, outcome=wire.Outcome.DONE, fingerprint="f"),
         "cancel_poll": wire.CancelPoll(**lease),
         "append": wire.LogAppend(task_id=TASK, attempt=1, first_seq=0, lines=["x"]),
-        "chunk": wire.ArtifactChunk(task_id=TASK, attempt=1, name="a", offset=0, data=b"x"),
-        "commit": wire.ArtifactCommit(task_id=TASK, attempt=1, name="a", size=1, sha256="0" * 64),
+        "chunk": wire.ArtifactChunk(
+            task_id=TASK, attempt=1, lease_token=TOKEN, name="a", offset=0, data=b"x"
+        ),
+        "commit": wire.ArtifactCommit(
+            task_id=TASK, attempt=1, lease_token=TOKEN, name="a", size=1, sha256="0" * 64
+        ),
     }[verb]
     return signer.seal(subject, msg)
 

@@ -302,7 +302,9 @@ def test_signer_validates_its_arguments() -> None:
             result={"big": "x" * 70_000},  # a bin32 body
             fingerprint="f" * 64,
         ),
-        ArtifactChunk(task_id=TASK, attempt=1, name="a", offset=0, data=b"\0" * 300),  # bin16
+        ArtifactChunk(
+            task_id=TASK, attempt=1, lease_token="t" * 64, name="a", offset=0, data=b"\0" * 300
+        ),  # bin16
         Heartbeat(devices=[]),
     ],
 )

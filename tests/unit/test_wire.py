@@ -126,8 +126,12 @@ SAMPLES: list[Message] = [
     CancelPoll(task_id=TASK, attempt=1, lease_token=TOKEN),
     CancelStatus(task_id=TASK, attempt=1, cancel_requested=True),
     LogAppend(task_id=TASK, attempt=1, first_seq=10, lines=["a", "b", "ü"]),
-    ArtifactChunk(task_id=TASK, attempt=1, name="screen.png", offset=0, data=b"\x89PNG"),
-    ArtifactCommit(task_id=TASK, attempt=1, name="screen.png", size=4, sha256="0" * 64),
+    ArtifactChunk(
+        task_id=TASK, attempt=1, lease_token=TOKEN, name="screen.png", offset=0, data=b"\x89PNG"
+    ),
+    ArtifactCommit(
+        task_id=TASK, attempt=1, lease_token=TOKEN, name="screen.png", size=4, sha256="0" * 64
+    ),
     OpsRequest(token=TOKEN, verb="submit", args={"kind": "goal", "goal": "x"}),
     OpsReply(data={"tasks": [{"id": TASK}], "blob": b"raw"}),
     Error(code="conflict", message="stale attempt"),
@@ -230,7 +234,11 @@ def test_non_bytes_input_is_rejected() -> None:
 
 
 def test_oversize_message_is_rejected_before_parsing() -> None:
-    data = encode(ArtifactChunk(task_id=TASK, attempt=1, name="a", offset=0, data=b"x" * 1000))
+    data = encode(
+        ArtifactChunk(
+            task_id=TASK, attempt=1, lease_token=TOKEN, name="a", offset=0, data=b"x" * 1000
+        )
+    )
     assert decode(data, max_size=len(data))
     with pytest.raises(DecodeError) as info:
         decode(data, max_size=len(data) - 1)
@@ -297,9 +305,11 @@ ACK = {"task_id": TASK, "attempt": 1, "lease_token": "t"}
          "out_of_range", "lines[0]"),
         ("log_append", {"task_id": TASK, "attempt": 1, "first_seq": 0, "lines": ["x"] * 1001},
          "out_of_range", "lines"),
-        ("artifact_chunk", {"task_id": TASK, "attempt": 1, "name": "a", "offset": 0,
+        ("artifact_chunk", {"task_id": TASK, "attempt": 1, "lease_token": TOKEN, "name": "a",
+                            "offset": 0,
                             "data": "text"}, "wrong_type", "data"),
-        ("artifact_commit", {"task_id": TASK, "attempt": 1, "name": "a", "size": 1,
+        ("artifact_commit", {"task_id": TASK, "attempt": 1, "lease_token": TOKEN, "name": "a",
+                             "size": 1,
                              "sha256": "Z" * 64}, "out_of_range", "sha256"),
         ("lease_reply", {"task_id": TASK, "attempt": 1, "state": "sleeping",
                          "lease_expires_at": 1.0}, "out_of_range", "state"),

@@ -244,7 +244,9 @@ async def test_pages_show_the_fleet_the_tasks_and_a_task_with_logs_and_artifacts
     task_id = await system.submit(admin, "--goal", "take a screenshot")
     a = await host.take()
     await host.client.append_logs(task_id, a.attempt, 0, ["opened settings", "<b>not html</b>"])
-    await host.client.upload_artifact(task_id, a.attempt, "dir/shot.png", b"\x89PNG fake")
+    await host.client.upload_artifact(
+        task_id, a.attempt, a.lease_token, "dir/shot.png", b"\x89PNG fake"
+    )
     await host.finish(a)
     assert (await web.sign_in("admin", admin)).status_code == 303
 
@@ -380,7 +382,7 @@ async def test_no_response_contains_a_secret_a_hash_or_a_host_path(
     done_id = await system.submit(alice, "--goal", "done", "--project", "pa")
     a = await host.take()
     await host.client.append_logs(done_id, a.attempt, 0, ["a log line"])
-    await host.client.upload_artifact(done_id, a.attempt, "a.txt", b"artifact")
+    await host.client.upload_artifact(done_id, a.attempt, a.lease_token, "a.txt", b"artifact")
     await host.finish(a)
     hang_id = await system.submit(alice, "--goal", "hang", "--project", "pa")
     b = await host.take()

@@ -30,6 +30,7 @@ re-exported here: import from ``fleetlease.transport.wire``.
 
 from fleetlease.persistence.model import Outcome, TaskKind, TaskState
 from fleetlease.transport.wire.base import (
+    ARTIFACT_CHUNK_BYTES,
     ERROR_CODES,
     INT32_MAX,
     INT64_MAX,
@@ -96,6 +97,7 @@ from fleetlease.transport.wire.messages import (
 )
 
 __all__ = [
+    "ARTIFACT_CHUNK_BYTES",
     "ERROR_CODES",
     "INT32_MAX",
     "INT64_MAX",

@@ -19,6 +19,8 @@ MAX_DEVICES = 1024
 MAX_LOG_LINES = 1000
 MAX_LOG_LINE_BYTES = 8 * 1024
 MAX_CHUNK_BYTES = 256 * 1024
+#: Artifact chunks start at multiples of this and hold at most this many bytes.
+ARTIFACT_CHUNK_BYTES = 128 * 1024
 MAX_NAME_LEN = 128
 MAX_TEXT_LEN = 4096
 MAX_WAIT_S = 60.0
@@ -44,6 +46,8 @@ ERROR_CODES: frozenset[str] = frozenset(
         "gone",
         "unavailable",
         "internal",
+        "quota",
+        "busy",
     }
 )
 

@@ -309,6 +309,7 @@ class ArtifactChunk(Message):
     TYPE: ClassVar[str] = "artifact_chunk"
     task_id: str = wired(_TASK_ID)
     attempt: int = wired(_ATTEMPT)
+    lease_token: str = wired(_LEASE_TOKEN, repr=False)
     name: str = wired(Name())
     offset: int = wired(Integer())
     data: bytes = wired(Blob(max_len=MAX_CHUNK_BYTES), repr=False)
@@ -319,6 +320,7 @@ class ArtifactCommit(Message):
     TYPE: ClassVar[str] = "artifact_commit"
     task_id: str = wired(_TASK_ID)
     attempt: int = wired(_ATTEMPT)
+    lease_token: str = wired(_LEASE_TOKEN, repr=False)
     name: str = wired(Name())
     size: int = wired(Integer())
     sha256: str = wired(Hex64())
