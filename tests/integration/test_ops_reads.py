@@ -26,6 +26,7 @@ from fleetlease.persistence.reads import MAX_PAGE
 from fleetlease.persistence.repository import Repository
 from fleetlease.transport import wire
 from fleetlease.transport.subjects import Subjects
+from tests.inbox import request
 from tests.integration.test_serve import Serve, serve_args, spawn
 
 pytestmark = pytest.mark.embedded
@@ -46,12 +47,12 @@ def rss_bytes(pid: int, field: str = "VmRSS") -> int:
 class Ops:
     """Raw ops requests over NATS (what the CLI's client sends)."""
 
-    def __init__(self, nc: NatsClient, prefix: str, token: str) -> None:
-        self.nc, self.subjects, self.token = nc, Subjects(prefix), token
+    def __init__(self, nc: NatsClient, prefix: str, user: str, token: str) -> None:
+        self.nc, self.subjects, self.user, self.token = nc, Subjects(prefix), user, token
 
     async def call(self, verb: str, **args: Any) -> Any:
         req = wire.encode(wire.OpsRequest(token=self.token, verb=verb, args=args))
-        msg = await self.nc.request(self.subjects.ops(verb), req, timeout=60)
+        msg = await request(self.nc, self.subjects, self.subjects.ops(self.user, verb), req, 60)
         return wire.decode(msg.data).msg
 
 
@@ -85,7 +86,7 @@ async def ops(
     await repo.add_project("default", owner="admin")
     nc = await nats.connect(nats_url)
     try:
-        yield Ops(nc, subject_prefix, token)
+        yield Ops(nc, subject_prefix, "admin", token)
     finally:
         await nc.close()
 

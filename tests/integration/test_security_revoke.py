@@ -39,6 +39,7 @@ from fleetlease.ops.client import OpsClient, task_events
 from fleetlease.ops.embedded import EmbeddedNats
 from fleetlease.transport.broker_auth import host_connect_options
 from fleetlease.transport.broker_config import BrokerKeys, secure_embedded_args
+from fleetlease.transport.subjects import Subjects
 
 pytestmark = [pytest.mark.embedded, pytest.mark.timeout(600)]
 
@@ -80,7 +81,8 @@ async def _fleet(
     from fleetlease.ops.service import ControlPlaneService
 
     state = tmp_path / "state"
-    server = EmbeddedNats(tmp_path / "nats", extra_args=secure_embedded_args(state))
+    args = secure_embedded_args(state, subjects=Subjects(prefix))
+    server = EmbeddedNats(tmp_path / "nats", extra_args=args)
     await asyncio.to_thread(server.start)
     service = ControlPlaneService(
         database_url=db_url,
