@@ -199,6 +199,8 @@ def project_device(raw: Mapping[str, Any]) -> dict[str, Any]:
         "state": _plain(raw.get("state")),
         "capabilities": _plain(caps) if isinstance(caps, Mapping) else {},
         "task_id": _plain(raw.get("task_id")),
+        "reported": _plain(raw.get("reported", raw.get("state"))),
+        "disagreement": _plain(raw.get("disagreement")),
     }
 
 
@@ -481,6 +483,7 @@ class OpsApi:
             "artifact_get": self.artifact_get,
             "hosts": self.hosts,
             "devices": self.devices,
+            "fleet_counts": self.fleet_counts,
             "host_add": self.host_add,
             "host_revoke": self.host_revoke,
             "host_list": self.host_list,
@@ -698,11 +701,14 @@ class OpsApi:
     async def devices(self, user: User, args: Any) -> list[dict[str, Any]]:
         a = Args(args, ("host",))
         host = a.name("host")
-        return [
-            project_device(d)
-            for d in await self.repo.list_devices()
-            if host is None or d.get("host_id") == host
-        ]
+        return [project_device(d) for d in await self.repo.fleet_devices(host_id=host)]
+
+    async def fleet_counts(self, user: User, args: Any) -> dict[str, Any]:
+        """Totals: devices by state (as the fleet view shows them) and the tasks
+        this user may read by state, however few rows a list shows."""
+        a = Args(args, ("host",))
+        counts: dict[str, Any] = _plain(await self.repo.fleet_counts(user, host_id=a.name("host")))
+        return counts
 
     async def host_add(self, user: User, args: Any) -> dict[str, Any]:
         a = Args(args, ("host_id",))

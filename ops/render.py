@@ -280,14 +280,18 @@ def print_devices(devices: Sequence[Mapping[str, Any]]) -> None:
     if not devices:
         out.print("no devices")
         return
-    table = _table("HOST", "DEVICE", "STATE", "CAPABILITIES", "TASK")
+    table = _table("HOST", "DEVICE", "STATE", "CAPABILITIES", "TASK", "NOTE")
     for d in devices:
+        # The state is the control plane's (a reservation means busy); a host
+        # report that disagrees is shown, not hidden.
+        note = d.get("disagreement")
         table.add_row(
             cell(d.get("host_id")),
             cell(d.get("device_id")),
             cell(d.get("state")),
             escape(cell(d.get("capabilities"))),
             cell(d.get("task_id")),
+            Text(str(note), style="yellow") if note else Text(""),
         )
     out.print(table)
 

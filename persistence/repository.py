@@ -60,6 +60,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from fleetlease.persistence import fleet_view
 from fleetlease.persistence.clock import Clock, SystemClock
 from fleetlease.persistence.driver import DriverConnection
 from fleetlease.persistence.errors import (
@@ -3171,6 +3172,25 @@ class Repository:
             ]
 
         return await self._tx("list_devices", run)
+
+    async def fleet_devices(
+        self, *, host_id: str | None = None, limit: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Devices as the fleet view shows them (:mod:`fleet_view`)."""
+
+        async def run(conn: AsyncConnection, now: datetime) -> list[dict[str, Any]]:
+            return await fleet_view.read_devices(conn, host_id=host_id, limit=limit)
+
+        return await self._tx("fleet_devices", run)
+
+    async def fleet_counts(self, user: User, *, host_id: str | None = None) -> dict[str, Any]:
+        """The fleet's device totals and the totals of the tasks ``user`` may read."""
+        _check_user(user)
+
+        async def run(conn: AsyncConnection, now: datetime) -> dict[str, Any]:
+            return await fleet_view.read_counts(conn, visible=self._visible(user), host_id=host_id)
+
+        return await self._tx("fleet_counts", run)
 
     # --- logs and artifacts (their own channels; never on the job path) -------------
     async def _own_attempt(

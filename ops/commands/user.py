@@ -691,7 +691,21 @@ def cmd_watch(args: argparse.Namespace) -> int:
         seen = 0
         events = task_events(client)
         display = _LiveTasks(rows, args.limit) if live else None
+        totals_read = 0.0
+
+        async def read_totals() -> None:
+            # The summary counts the fleet's tasks, not the rows loaded; read
+            # again at most once a second while events arrive.
+            nonlocal totals_read
+            if display is None or time.monotonic() - totals_read < 1.0:
+                return
+            totals_read = time.monotonic()
+            with contextlib.suppress(CliError):
+                counts = await client.call("fleet_counts")
+                display.totals = {str(k): int(v) for k, v in counts.get("tasks", {}).items()}
+
         try:
+            await read_totals()
             if display is not None:
                 display.start()
             while deadline is None or time.monotonic() < deadline:
@@ -708,6 +722,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
                             display.rows[event["task_id"]] = await client.call(
                                 "task_show", id=event["task_id"]
                             )
+                    await read_totals()
                     display.apply(event)
                 elif args.json:
                     render.print_json_line(event)
@@ -732,6 +747,9 @@ class _LiveTasks:
         self.rows = rows
         self.limit = limit
         self.title = title
+        #: The fleet's task totals by state (``fleet_counts``); without them the
+        #: summary counts the rows held.
+        self.totals: dict[str, int] | None = None
         self.live: Live | None = None
         self.live = Live(self.render(), console=render.console(), auto_refresh=False)
 
@@ -741,8 +759,11 @@ class _LiveTasks:
             self.rows.values(), key=lambda t: str(t.get("updated_at") or ""), reverse=True
         )[:rows]
         counts: dict[str, int] = {}
-        for t in self.rows.values():
-            counts[str(t.get("state"))] = counts.get(str(t.get("state")), 0) + 1
+        if self.totals is not None:
+            counts = {k: v for k, v in self.totals.items() if v}
+        else:
+            for t in self.rows.values():
+                counts[str(t.get("state"))] = counts.get(str(t.get("state")), 0) + 1
         summary = "  ".join(f"{k} {v}" for k, v in sorted(counts.items()))
         return render.tasks_table(ordered, title=f"{self.title}  ({summary})", compact=True)
 
