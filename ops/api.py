@@ -238,11 +238,12 @@ def project_cancel(record: Any) -> dict[str, Any]:
         "id": _plain(_first_of(get, "task_id", "id")),
         "state": _plain(get("state")),
         "cancel": {
-            "requested": True,
+            "requested": get("requested_at") is not None,
             "by": _plain(get("requested_by")),
             "at": _plain(get("requested_at")),
         },
         "completed": bool(get("completed")),
+        "already_ended": bool(get("ended_before")),
     }
 
 

@@ -2219,7 +2219,9 @@ class Repository:
         """Authorized (owner, project admin, platform admin; else ``Forbidden`` and
         nothing written). queued/retrying -> cancelled at once; in flight -> durable
         intent on the task and its current attempt; repeated requests return the
-        first intent; terminal tasks return their state unchanged."""
+        first intent; a task that ended otherwise (done, failed) returns its
+        terminal state with ``ended_before``; nothing is written but the first
+        request."""
         tid = _check_task_id(task_id)
         _check_user(user)
 
@@ -2244,12 +2246,16 @@ class Repository:
                 raise Forbidden("not allowed to cancel this task", task_id=tid)
             status = TaskState(row.status)
             if row.cancel_requested_at is not None or status in TERMINAL_STATES:
+                requested = row.cancel_requested_at is not None
                 return CancelRecord(
                     task_id=tid,
                     state=status,
-                    requested_at=row.cancel_requested_at or now,
-                    requested_by=row.cancel_requested_by or user.name,
-                    completed=status in TERMINAL_STATES,
+                    requested_at=row.cancel_requested_at,
+                    requested_by=row.cancel_requested_by,
+                    completed=status is TaskState.CANCELLED,
+                    ended_before=status in TERMINAL_STATES
+                    and not (requested and status is TaskState.CANCELLED),
+                    repeated=requested,
                 )
             intent = {"cancel_requested_at": now, "cancel_requested_by": user.name}
             if status in WAITING_STATES:

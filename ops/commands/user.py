@@ -33,6 +33,7 @@ import structlog
 
 from fleetlease.ops import render
 from fleetlease.ops.cli import (
+    EXIT_CONFLICT,
     EXIT_DENIED,
     EXIT_OK,
     EXIT_UNAVAILABLE,
@@ -387,8 +388,11 @@ def cmd_task_show(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    async def body(client: OpsClient) -> None:
-        output(args, await client.call("cancel", id=args.id), render.print_cancel)
+    async def body(client: OpsClient) -> int:
+        rec = await client.call("cancel", id=args.id)
+        output(args, rec, render.print_cancel)
+        # A task that had ended answers with its terminal state, as a conflict.
+        return EXIT_CONFLICT if rec.get("already_ended") else EXIT_OK
 
     return run(args, body)
 

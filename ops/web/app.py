@@ -582,7 +582,9 @@ class Web:
         else:
             cancel = record.get("cancel") or {}
             by, at = cancel.get("by"), fmt_when(cancel.get("at"))
-            if record.get("completed"):
+            if record.get("already_ended"):
+                session.flash("error", f"Not cancelled: the task is already {record.get('state')}.")
+            elif record.get("completed"):
                 text = f"Task cancelled (requested by {by} at {at})."
                 if by != session.user:
                     text = f"This task was already cancelled by {by} at {at}."

@@ -432,7 +432,7 @@ async def test_every_command_has_its_documented_json_shape(system: System, host:
     assert len(many["ids"]) == 3 and len(set(many["ids"])) == 3
 
     rec = (await system.cli("cancel", many["ids"][0], "--json", token=admin)).json()
-    assert set(rec) == {"id", "state", "cancel", "completed"}
+    assert set(rec) == {"id", "state", "cancel", "completed", "already_ended"}
     assert set(rec["cancel"]) == {"requested", "by", "at"}
 
 
