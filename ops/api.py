@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from fleetlease.ops.limits import MAX_DOC, MAX_NAME, MAX_TEXT, oversized_map, size_of, too_large
 from fleetlease.persistence.errors import Forbidden, Invalid, NotFound, Unauthorized
 from fleetlease.persistence.model import RetryPolicy, TaskKind, TaskSpec, TaskState, User
 from fleetlease.persistence.repository import Repository
@@ -46,8 +47,6 @@ log = structlog.get_logger("fleetlease.ops")
 MAX_BATCH = 1000
 MAX_LIST = 1000
 MAX_LOG_PAGE = 1000
-MAX_TEXT = 4096
-MAX_NAME = 128
 #: An artifact travels in slices well under NATS's default 1 MiB payload limit.
 MAX_ARTIFACT_SLICE = 512 * 1024
 
@@ -282,8 +281,10 @@ class Args:
             return default
         if not isinstance(value, str):
             raise Invalid(f"{name} must be a string", field=name)
-        if not 1 <= len(value) <= max_len:
-            raise Invalid(f"{name} must be 1..{max_len} characters", field=name)
+        if not value:
+            raise Invalid(f"{name} must not be empty", field=name)
+        if size_of(value) > max_len:
+            raise Invalid(too_large(name, max_len), field=name)
         if not value.isprintable():
             raise Invalid(f"{name} must not contain control characters", field=name)
         return value
@@ -352,8 +353,11 @@ class Args:
         for k, v in value.items():
             if not isinstance(k, str) or not isinstance(v, str):
                 raise Invalid(f"{name} must map strings to strings", field=name)
-            if not 1 <= len(k) <= MAX_NAME or len(v) > MAX_TEXT:
-                raise Invalid(f"{name} has an empty or over-long key or value", field=name)
+            if not k:
+                raise Invalid(f"{name} has an empty key", field=name)
+            message = oversized_map(name, {k: v})
+            if message is not None:
+                raise Invalid(message, field=name)
         return dict(value)
 
     def doc(self, name: str) -> dict[str, Any]:
@@ -362,6 +366,8 @@ class Args:
             return {}
         if not isinstance(value, Mapping):
             raise Invalid(f"{name} must be a JSON object", field=name)
+        if size_of(value) > MAX_DOC:
+            raise Invalid(too_large(name, MAX_DOC), field=name)
         return dict(value)
 
 

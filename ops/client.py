@@ -16,7 +16,15 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from fleetlease.ops.cli import EXIT_BY_CODE, EXIT_DENIED, EXIT_ERROR, EXIT_UNAVAILABLE, CliError
+from fleetlease.ops import limits
+from fleetlease.ops.cli import (
+    EXIT_BY_CODE,
+    EXIT_DENIED,
+    EXIT_ERROR,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    CliError,
+)
 from fleetlease.ops.config import Settings
 from fleetlease.transport import wire
 from fleetlease.transport.subjects import Subjects
@@ -127,13 +135,11 @@ class OpsClient:
     async def call(self, verb: str, **args: Any) -> Any:
         import nats.errors
 
-        request = wire.OpsRequest(
-            token=self.token, verb=verb, args={k: v for k, v in args.items() if v is not None}
-        )
+        sent = {k: v for k, v in args.items() if v is not None}
+        request = wire.OpsRequest(token=self.token, verb=verb, args=sent)
+        data = self._checked(verb, sent, request)
         try:
-            msg = await self.nc.request(
-                self.subjects.ops(verb), wire.encode(request), timeout=self.timeout_s
-            )
+            msg = await self.nc.request(self.subjects.ops(verb), data, timeout=self.timeout_s)
         except nats.errors.NoRespondersError:
             raise OpsError(
                 f"no control plane answers on NATS at {self.nats_url} (prefix {self.prefix}): "
@@ -164,6 +170,19 @@ class OpsClient:
                 f"bad reply from the control plane: {exc.message}", EXIT_ERROR, "bad_reply"
             ) from None
         return reply.data
+
+    def _checked(self, verb: str, args: dict[str, Any], request: wire.OpsRequest) -> bytes:
+        """The encoded request, refused here (as the API would refuse it) when an
+        argument or the whole request is larger than the API or the broker takes."""
+        message = limits.oversized(args)
+        data = b"" if message is not None else wire.encode(request)
+        broker = int(getattr(self.nc, "max_payload", 0) or limits.MAX_REQUEST)
+        most = min(limits.MAX_REQUEST, broker)
+        if message is None and len(data) > most:
+            message = limits.too_large(f"the {verb.replace('_', ' ')} request", most)
+        if message is not None:
+            raise OpsError(f"bad request: {message}", EXIT_USAGE, "bad_request")
+        return data
 
 
 # --- task events ----------------------------------------------------------------------
