@@ -1329,6 +1329,10 @@ class Agent:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._handover[device_id] = fut
         self.stats.handovers_waited += 1
+        # The control plane has reserved the device for the new attempt: busy
+        # again from now on (the finished run left it idle).
+        with contextlib.suppress(UnknownDevice):
+            self._mark(device_id, busy=True)
         try:
             await fut
         except asyncio.CancelledError:
