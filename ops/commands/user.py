@@ -695,23 +695,32 @@ def cmd_watch(args: argparse.Namespace) -> int:
         seen = 0
         events = task_events(client)
         display = _LiveTasks(rows, args.limit) if live else None
-        totals_read = 0.0
+        stale = asyncio.Event()
 
         async def read_totals() -> None:
-            # The summary counts the fleet's tasks, not the rows loaded; read
-            # again at most once a second while events arrive.
-            nonlocal totals_read
-            if display is None or time.monotonic() - totals_read < 1.0:
-                return
-            totals_read = time.monotonic()
+            # The title counts the fleet's tasks, not the rows loaded.
+            assert display is not None
             with contextlib.suppress(CliError):
                 counts = await client.call("fleet_counts")
                 display.totals = {str(k): int(v) for k, v in counts.get("tasks", {}).items()}
 
+        async def keep_totals() -> None:
+            # Read them again after changes, at most once a second.
+            assert display is not None
+            while True:
+                await stale.wait()
+                stale.clear()
+                await read_totals()
+                display.refresh()
+                await asyncio.sleep(1.0)
+
+        totals: asyncio.Task[None] | None = None
         try:
-            await read_totals()
             if display is not None:
+                await read_totals()
                 display.start()
+                display.refresh()  # drawn with the totals
+                totals = asyncio.create_task(keep_totals())
             while deadline is None or time.monotonic() < deadline:
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
@@ -726,8 +735,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
                             display.rows[event["task_id"]] = await client.call(
                                 "task_show", id=event["task_id"]
                             )
-                    await read_totals()
                     display.apply(event)
+                    stale.set()
                 elif args.json:
                     render.print_json_line(event)
                 else:
@@ -735,6 +744,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
                 if args.max_events and seen >= args.max_events:
                     break
         finally:
+            if totals is not None:
+                totals.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await totals
             if display is not None:
                 display.stop()
             await events.aclose()

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pty
 import shlex
+import signal
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -281,3 +283,50 @@ async def test_logs_into_a_closed_pipe_exit_quietly(fleet: Fleet, host: HostClie
     assert run.out.count("\n") == 1 and "line 00000" in run.out
     assert run.err == ""
     assert run.code == 0
+
+
+# --- watch counts the fleet ------------------------------------------------------------------
+
+
+async def test_watch_on_a_terminal_counts_every_task_not_the_rows_it_shows(fleet: Fleet) -> None:
+    for _ in range(4):
+        await fleet.submit()  # no host: they stay queued
+    master, slave = pty.openpty()
+    env = {**fleet._env(), "COLUMNS": "160", "LINES": "40", "TERM": "xterm"}
+    proc = await asyncio.create_subprocess_exec(
+        *fleet._argv("watch", "--limit", "1", "--for", "60"),
+        cwd=REPO_ROOT, env=env,
+        stdin=asyncio.subprocess.DEVNULL, stdout=slave, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    os.close(slave)
+    screen = bytearray()
+
+    def read_all() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the child closed the terminal
+                return
+            if not chunk:
+                return
+            screen.extend(chunk)
+
+    async def shown(text: str) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while text not in screen.decode(errors="replace"):
+            assert loop.time() < deadline, f"{text!r} not shown: {bytes(screen[-2000:])!r}"
+            assert proc.returncode is None, "watch ended early"
+            await asyncio.sleep(0.05)
+
+    reader = asyncio.create_task(asyncio.to_thread(read_all))
+    try:
+        await shown("queued 4")  # one row shown, four tasks counted
+        await fleet.submit()
+        await shown("queued 5")  # counted again after the change
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(proc.communicate(), 60)
+        await asyncio.wait_for(reader, 30)
+        os.close(master)
