@@ -874,7 +874,7 @@ class ControlPlane:
                     continue  # stopped before handling it: its replacement, or directly
                 return record
             record = await self._bounded(self.repo.request_cancel(task_id, user))
-        if record.state is TaskState.CANCELLED:
+        if record.state is TaskState.CANCELLED and not (record.repeated or record.ended_before):
             self._dispatch([self._event(task_id, record.state, 0, None)])
         return record
 

@@ -1342,6 +1342,10 @@ class Agent:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._handover[device_id] = fut
         self.stats.handovers_waited += 1
+        # The control plane has reserved the device for the new attempt: busy
+        # again from now on (the finished run left it idle).
+        with contextlib.suppress(UnknownDevice):
+            self._mark(device_id, busy=True)
         try:
             await fut
         except asyncio.CancelledError:
@@ -1405,6 +1409,13 @@ class Agent:
                 await self._record(att, outcome)
             if att.holds_device:
                 self._releasing.add(rec.device_id)
+                # Nothing runs on the device any more, and every snapshot from
+                # now on says so; it stays held (claimed only for a handover)
+                # until the result is answered. Were it marked idle only then, a
+                # snapshot sent between the result's commit and its answer would
+                # report it busy, and nothing would correct that before the next
+                # periodic heartbeat (lease flips send none).
+                self._mark(rec.device_id, busy=False)
                 self._wake.set()
             await self._report(att)
         except _Aborted:
@@ -1432,7 +1443,7 @@ class Agent:
                 self._releasing.discard(rec.device_id)
                 successor = self._handover.pop(rec.device_id, None)
                 if successor is not None and not successor.done():
-                    successor.set_result(None)  # held and busy, by the next attempt
+                    successor.set_result(None)  # held, and busy again by the next attempt
                 else:
                     self._held.discard(rec.device_id)
                     self._mark(rec.device_id, busy=False)

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import msgpack
 import structlog
 
+from fleetlease.ops.limits import MAX_DOC, MAX_NAME, MAX_TEXT, oversized_map, size_of, too_large
 from fleetlease.persistence.bulk import MAX_CANCEL_BATCH, BulkCancel, CancelFilter
 from fleetlease.persistence.errors import Forbidden, Invalid, NotFound, Unauthorized
 from fleetlease.persistence.model import RetryPolicy, TaskKind, TaskSpec, TaskState, User
@@ -54,8 +55,6 @@ MAX_LIST = MAX_PAGE
 #: NATS message, 1 MiB by default; long goals or large results would not).
 MAX_LIST_BYTES = 768 * 1024
 MAX_LOG_PAGE = 1000
-MAX_TEXT = 4096
-MAX_NAME = 128
 #: An artifact travels in slices well under NATS's default 1 MiB payload limit.
 MAX_ARTIFACT_SLICE = 512 * 1024
 
@@ -211,6 +210,8 @@ def project_device(raw: Mapping[str, Any]) -> dict[str, Any]:
         "state": _plain(raw.get("state")),
         "capabilities": _plain(caps) if isinstance(caps, Mapping) else {},
         "task_id": _plain(raw.get("task_id")),
+        "reported": _plain(raw.get("reported", raw.get("state"))),
+        "disagreement": _plain(raw.get("disagreement")),
     }
 
 
@@ -248,11 +249,12 @@ def project_cancel(record: Any) -> dict[str, Any]:
         "id": _plain(_first_of(get, "task_id", "id")),
         "state": _plain(get("state")),
         "cancel": {
-            "requested": True,
+            "requested": get("requested_at") is not None,
             "by": _plain(get("requested_by")),
             "at": _plain(get("requested_at")),
         },
         "completed": bool(get("completed")),
+        "already_ended": bool(get("ended_before")),
     }
 
 
@@ -291,8 +293,10 @@ class Args:
             return default
         if not isinstance(value, str):
             raise Invalid(f"{name} must be a string", field=name)
-        if not 1 <= len(value) <= max_len:
-            raise Invalid(f"{name} must be 1..{max_len} characters", field=name)
+        if not value:
+            raise Invalid(f"{name} must not be empty", field=name)
+        if size_of(value) > max_len:
+            raise Invalid(too_large(name, max_len), field=name)
         if not value.isprintable():
             raise Invalid(f"{name} must not contain control characters", field=name)
         return value
@@ -361,8 +365,11 @@ class Args:
         for k, v in value.items():
             if not isinstance(k, str) or not isinstance(v, str):
                 raise Invalid(f"{name} must map strings to strings", field=name)
-            if not 1 <= len(k) <= MAX_NAME or len(v) > MAX_TEXT:
-                raise Invalid(f"{name} has an empty or over-long key or value", field=name)
+            if not k:
+                raise Invalid(f"{name} has an empty key", field=name)
+            message = oversized_map(name, {k: v})
+            if message is not None:
+                raise Invalid(message, field=name)
         return dict(value)
 
     def doc(self, name: str) -> dict[str, Any]:
@@ -371,6 +378,8 @@ class Args:
             return {}
         if not isinstance(value, Mapping):
             raise Invalid(f"{name} must be a JSON object", field=name)
+        if size_of(value) > MAX_DOC:
+            raise Invalid(too_large(name, MAX_DOC), field=name)
         return dict(value)
 
 
@@ -496,6 +505,7 @@ class OpsApi:
             "artifact_get": self.artifact_get,
             "hosts": self.hosts,
             "devices": self.devices,
+            "fleet_counts": self.fleet_counts,
             "host_add": self.host_add,
             "host_revoke": self.host_revoke,
             "host_list": self.host_list,
@@ -785,11 +795,14 @@ class OpsApi:
     async def devices(self, user: User, args: Any) -> list[dict[str, Any]]:
         a = Args(args, ("host",))
         host = a.name("host")
-        return [
-            project_device(d)
-            for d in await self.repo.list_devices()
-            if host is None or d.get("host_id") == host
-        ]
+        return [project_device(d) for d in await self.repo.fleet_devices(host_id=host)]
+
+    async def fleet_counts(self, user: User, args: Any) -> dict[str, Any]:
+        """Totals: devices by state (as the fleet view shows them) and the tasks
+        this user may read by state, however few rows a list shows."""
+        a = Args(args, ("host",))
+        counts: dict[str, Any] = _plain(await self.repo.fleet_counts(user, host_id=a.name("host")))
+        return counts
 
     async def host_add(self, user: User, args: Any) -> dict[str, Any]:
         a = Args(args, ("host_id",))

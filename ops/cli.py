@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -81,11 +83,48 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
+def usage_error(prog: str, message: str) -> NoReturn:
+    """Print a usage error as one line naming the (sub)command, exit 2."""
+    print(f"{prog}: {message} (see {prog} --help)", file=sys.stderr)
+    raise SystemExit(EXIT_USAGE)
+
+
+def _unknown(extras: Sequence[str]) -> str:
+    flags = [e.split("=", 1)[0] for e in extras if e.startswith("-") and e != "-"]
+    if flags:
+        return f"unknown flag {flags[0]}" + (f" (and {len(flags) - 1} more)" if flags[1:] else "")
+    return f"unexpected argument {extras[0]!r}"
+
+
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.print_usage(sys.stderr)
-        print(f"fleetlease: error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
+    """Usage errors as one line naming the subcommand (``fleetlease submit:
+    unknown flag --bogus (see fleetlease submit --help)``), not the usage text."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The deepest subcommand's defaults win: its name for unknown-flag errors,
+        # which argparse raises on the top-level parser.
+        self.set_defaults(_prog=self.prog)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
+        return super().parse_known_args(args, namespace)
+
+    def _knows(self, arg: str) -> bool:
+        name = arg.split("=", 1)[0]
+        return any(option.startswith(name) for option in self._option_string_actions)
+
+    def error(self, message: str) -> NoReturn:
+        # An unknown flag is the error to name, even when argparse stops first
+        # at a missing argument (``submit --bogus`` lacks --goal too).
+        argv = getattr(self, "_argv", [])
+        unknown = [a for a in argv if a[:2] == "--" and len(a) > 2 and not self._knows(a)]
+        prefix = "unrecognized arguments: "
+        if unknown:
+            message = _unknown(unknown)
+        elif message.startswith(prefix):
+            message = _unknown(message[len(prefix) :].split())
+        usage_error(self.prog, message)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,14 +147,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of what
+    is still buffered for a closed pipe neither fails nor prints."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (captured): nothing is flushed to a pipe
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        usage_error(getattr(args, "_prog", parser.prog), _unknown(extras))
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (``fleetlease logs ID | head -1``): stop quietly.
+        _discard_stdout()
+        return EXIT_OK
     except CliError as exc:
         if getattr(args, "debug", False):
             raise

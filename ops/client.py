@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
+from fleetlease.ops import limits
 from fleetlease.ops.config import Settings
 from fleetlease.transport import wire
 from fleetlease.transport.subjects import Subjects, is_valid_token
@@ -198,11 +199,11 @@ class OpsClient:
     async def _request(self, subject: str, verb: str, args: dict[str, Any]) -> Any:
         import nats.errors
 
-        request = wire.OpsRequest(
-            token=self.token, verb=verb, args={k: v for k, v in args.items() if v is not None}
-        )
+        sent = {k: v for k, v in args.items() if v is not None}
+        request = wire.OpsRequest(token=self.token, verb=verb, args=sent)
+        data = self._checked(verb, sent, request)
         try:
-            msg = await self._send(subject, verb, wire.encode(request))
+            msg = await self._send(subject, verb, data)
         except nats.errors.NoRespondersError:
             raise OpsError(
                 f"no control plane answers on NATS at {self.nats_url} (prefix {self.prefix}): "
@@ -230,6 +231,19 @@ class OpsClient:
                 f"bad reply from the control plane: {exc.message}", "bad_reply"
             ) from None
         return reply.data
+
+    def _checked(self, verb: str, args: dict[str, Any], request: wire.OpsRequest) -> bytes:
+        """The encoded request, refused here (as the API would refuse it) when an
+        argument or the whole request is larger than the API or the broker takes."""
+        message = limits.oversized(args)
+        data = b"" if message is not None else wire.encode(request)
+        broker = int(getattr(self.nc, "max_payload", 0) or limits.MAX_REQUEST)
+        most = min(limits.MAX_REQUEST, broker)
+        if message is None and len(data) > most:
+            message = limits.too_large(f"the {verb.replace('_', ' ')} request", most)
+        if message is not None:
+            raise OpsError(f"bad request: {message}", "bad_request")
+        return data
 
 
 # --- task events ----------------------------------------------------------------------

@@ -239,17 +239,18 @@ def print_task(task: Mapping[str, Any]) -> None:
 def print_cancel(rec: Mapping[str, Any]) -> None:
     cancel = rec.get("cancel") or {}
     state = cell(rec.get("state"))
-    tail = (
-        "cancelled"
-        if rec.get("completed")
-        else f"{state}: stopping the running attempt"
-        if state not in ("done", "failed", "cancelled")
-        else f"already {state}"
+    requested = (
+        f"requested by {cell(cancel.get('by'))} at {when(cancel.get('at'))}"
+        if cancel.get("requested")
+        else ""
     )
-    console().print(
-        f"cancel of {cell(rec.get('id'))} requested by {cell(cancel.get('by'))} "
-        f"at {when(cancel.get('at'))}: {tail}"
-    )
+    if rec.get("already_ended"):
+        # Nothing was written: the task had ended before this request.
+        extra = f" (a cancel was {requested})" if requested else ""
+        console().print(f"task {cell(rec.get('id'))} already {state}: nothing to cancel{extra}")
+        return
+    tail = "cancelled" if rec.get("completed") else f"{state}: stopping the running attempt"
+    console().print(f"cancel of {cell(rec.get('id'))} {requested}: {tail}")
 
 
 def print_hosts(hosts: Sequence[Mapping[str, Any]], *, show_revoked: bool = False) -> None:
@@ -280,14 +281,18 @@ def print_devices(devices: Sequence[Mapping[str, Any]]) -> None:
     if not devices:
         out.print("no devices")
         return
-    table = _table("HOST", "DEVICE", "STATE", "CAPABILITIES", "TASK")
+    table = _table("HOST", "DEVICE", "STATE", "CAPABILITIES", "TASK", "NOTE")
     for d in devices:
+        # The state is the control plane's (a reservation means busy); a host
+        # report that disagrees is shown, not hidden.
+        note = d.get("disagreement")
         table.add_row(
             cell(d.get("host_id")),
             cell(d.get("device_id")),
             cell(d.get("state")),
             escape(cell(d.get("capabilities"))),
             cell(d.get("task_id")),
+            Text(str(note), style="yellow") if note else Text(""),
         )
     out.print(table)
 

@@ -232,11 +232,20 @@ class ResultRecord:
 
 @dataclass(frozen=True, kw_only=True)
 class CancelRecord:
+    """The answer to a cancel request. ``requested_at``/``requested_by``: the
+    task's first cancel request (None when it ended without one). ``completed``:
+    the task is cancelled. ``ended_before``: the task had ended (done, failed,
+    or cancelled without a request) before this request, which wrote nothing.
+    ``repeated``: a request was already recorded; this one returned it and
+    wrote nothing."""
+
     task_id: str
     state: TaskState
-    requested_at: datetime
-    requested_by: str
+    requested_at: datetime | None
+    requested_by: str | None
     completed: bool
+    ended_before: bool = False
+    repeated: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -60,6 +60,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from fleetlease.persistence import fleet_view
 from fleetlease.persistence.clock import Clock, SystemClock
 from fleetlease.persistence.driver import DriverConnection
 from fleetlease.persistence.errors import (
@@ -2246,7 +2247,9 @@ class Repository:
         """Authorized (owner, project admin, platform admin; else ``Forbidden`` and
         nothing written). queued/retrying -> cancelled at once; in flight -> durable
         intent on the task and its current attempt; repeated requests return the
-        first intent; terminal tasks return their state unchanged."""
+        first intent; a task that ended otherwise (done, failed) returns its
+        terminal state with ``ended_before``; nothing is written but the first
+        request."""
         tid = _check_task_id(task_id)
         _check_user(user)
 
@@ -2271,12 +2274,16 @@ class Repository:
                 raise Forbidden("not allowed to cancel this task", task_id=tid)
             status = TaskState(row.status)
             if row.cancel_requested_at is not None or status in TERMINAL_STATES:
+                requested = row.cancel_requested_at is not None
                 return CancelRecord(
                     task_id=tid,
                     state=status,
-                    requested_at=row.cancel_requested_at or now,
-                    requested_by=row.cancel_requested_by or user.name,
-                    completed=status in TERMINAL_STATES,
+                    requested_at=row.cancel_requested_at,
+                    requested_by=row.cancel_requested_by,
+                    completed=status is TaskState.CANCELLED,
+                    ended_before=status in TERMINAL_STATES
+                    and not (requested and status is TaskState.CANCELLED),
+                    repeated=requested,
                 )
             intent = {"cancel_requested_at": now, "cancel_requested_by": user.name}
             if status in WAITING_STATES:
@@ -3199,6 +3206,25 @@ class Repository:
             ]
 
         return await self._tx("list_devices", run)
+
+    async def fleet_devices(
+        self, *, host_id: str | None = None, limit: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Devices as the fleet view shows them (:mod:`fleet_view`)."""
+
+        async def run(conn: AsyncConnection, now: datetime) -> list[dict[str, Any]]:
+            return await fleet_view.read_devices(conn, host_id=host_id, limit=limit)
+
+        return await self._tx("fleet_devices", run)
+
+    async def fleet_counts(self, user: User, *, host_id: str | None = None) -> dict[str, Any]:
+        """The fleet's device totals and the totals of the tasks ``user`` may read."""
+        _check_user(user)
+
+        async def run(conn: AsyncConnection, now: datetime) -> dict[str, Any]:
+            return await fleet_view.read_counts(conn, visible=self._visible(user), host_id=host_id)
+
+        return await self._tx("fleet_counts", run)
 
     # --- logs and artifacts (their own channels; never on the job path) -------------
     async def _own_attempt(

@@ -51,6 +51,7 @@ OPS_VERBS: frozenset[str] = frozenset(
         "artifacts",
         "hosts",
         "devices",
+        "fleet_counts",
         "host_add",
         "host_revoke",
         "host_list",

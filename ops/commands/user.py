@@ -33,6 +33,7 @@ import structlog
 
 from fleetlease.ops import render
 from fleetlease.ops.cli import (
+    EXIT_CONFLICT,
     EXIT_DENIED,
     EXIT_OK,
     EXIT_UNAVAILABLE,
@@ -457,8 +458,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
         return cmd_cancel_many(args)
 
-    async def body(client: OpsClient) -> None:
-        output(args, await client.call("cancel", id=args.id), render.print_cancel)
+    async def body(client: OpsClient) -> int:
+        rec = await client.call("cancel", id=args.id)
+        output(args, rec, render.print_cancel)
+        # A task that had ended answers with its terminal state, as a conflict.
+        return EXIT_CONFLICT if rec.get("already_ended") else EXIT_OK
 
     return run(args, body)
 
@@ -761,9 +765,32 @@ def cmd_watch(args: argparse.Namespace) -> int:
         seen = 0
         events = task_events(client)
         display = _LiveTasks(rows, args.limit) if live else None
+        stale = asyncio.Event()
+
+        async def read_totals() -> None:
+            # The title counts the fleet's tasks, not the rows loaded.
+            assert display is not None
+            with contextlib.suppress(CliError):
+                counts = await client.call("fleet_counts")
+                display.totals = {str(k): int(v) for k, v in counts.get("tasks", {}).items()}
+
+        async def keep_totals() -> None:
+            # Read them again after changes, at most once a second.
+            assert display is not None
+            while True:
+                await stale.wait()
+                stale.clear()
+                await read_totals()
+                display.refresh()
+                await asyncio.sleep(1.0)
+
+        totals: asyncio.Task[None] | None = None
         try:
             if display is not None:
+                await read_totals()
                 display.start()
+                display.refresh()  # drawn with the totals
+                totals = asyncio.create_task(keep_totals())
             while deadline is None or time.monotonic() < deadline:
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
@@ -779,6 +806,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
                                 "task_show", id=event["task_id"]
                             )
                     display.apply(event)
+                    stale.set()
                 elif args.json:
                     render.print_json_line(event)
                 else:
@@ -786,6 +814,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
                 if args.max_events and seen >= args.max_events:
                     break
         finally:
+            if totals is not None:
+                totals.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await totals
             if display is not None:
                 display.stop()
             await events.aclose()
@@ -802,6 +834,9 @@ class _LiveTasks:
         self.rows = rows
         self.limit = limit
         self.title = title
+        #: The fleet's task totals by state (``fleet_counts``); without them the
+        #: summary counts the rows held.
+        self.totals: dict[str, int] | None = None
         self.live: Live | None = None
         self.live = Live(self.render(), console=render.console(), auto_refresh=False)
 
@@ -811,8 +846,11 @@ class _LiveTasks:
             self.rows.values(), key=lambda t: str(t.get("updated_at") or ""), reverse=True
         )[:rows]
         counts: dict[str, int] = {}
-        for t in self.rows.values():
-            counts[str(t.get("state"))] = counts.get(str(t.get("state")), 0) + 1
+        if self.totals is not None:
+            counts = {k: v for k, v in self.totals.items() if v}
+        else:
+            for t in self.rows.values():
+                counts[str(t.get("state"))] = counts.get(str(t.get("state")), 0) + 1
         summary = "  ".join(f"{k} {v}" for k, v in sorted(counts.items()))
         return render.tasks_table(ordered, title=f"{self.title}  ({summary})", compact=True)
 

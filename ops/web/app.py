@@ -457,17 +457,18 @@ class Web:
 
     # --- fleet -------------------------------------------------------------------------
     async def _fleet(self, session: Session) -> dict[str, Any]:
-        hosts, devices = await asyncio.gather(
-            self.call(session, "hosts"), self.call(session, "devices")
+        hosts, devices, totals = await asyncio.gather(
+            self.call(session, "hosts"),
+            self.call(session, "devices"),
+            self.call(session, "fleet_counts"),
         )
         by_host: dict[str, list[dict[str, Any]]] = {}
         for d in devices:
             by_host.setdefault(str(d.get("host_id")), []).append(d)
         for ds in by_host.values():
             ds.sort(key=lambda d: str(d.get("device_id")))
-        counts: dict[str, int] = {}
-        for d in devices:
-            counts[str(d.get("state"))] = counts.get(str(d.get("state")), 0) + 1
+        # The fleet's totals from the control plane, not a count of the rows here.
+        counts: dict[str, int] = dict(totals.get("devices") or {})
         hosts = sorted(hosts, key=lambda h: str(h.get("host_id")))
         known = {str(h.get("host_id")) for h in hosts}
         return {
@@ -475,6 +476,7 @@ class Web:
             "devices_by_host": by_host,
             "orphans": sorted(h for h in by_host if h not in known),
             "device_counts": counts,
+            "disagreements": int(totals.get("disagreements") or 0),
             "live_hosts": sum(1 for h in hosts if h.get("live")),
         }
 
@@ -579,7 +581,9 @@ class Web:
         else:
             cancel = record.get("cancel") or {}
             by, at = cancel.get("by"), fmt_when(cancel.get("at"))
-            if record.get("completed"):
+            if record.get("already_ended"):
+                session.flash("error", f"Not cancelled: the task is already {record.get('state')}.")
+            elif record.get("completed"):
                 text = f"Task cancelled (requested by {by} at {at})."
                 if by != session.user:
                     text = f"This task was already cancelled by {by} at {at}."

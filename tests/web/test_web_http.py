@@ -474,3 +474,30 @@ async def test_no_response_contains_a_secret_a_hash_or_a_host_path(
             assert s not in text, f"response {i} ({response.url}) leaks a secret"
         for p in paths:
             assert p not in text, f"response {i} ({response.url}) shows a host path or URL"
+
+
+async def test_the_fleet_shows_a_reserved_device_busy_with_its_task_and_the_hosts_disagreement(
+    system: System, web: WebUser, host: SimHost
+) -> None:
+    """The host's snapshot (both devices idle) lags the reservation: the console
+    and the CLI show the device busy with its task, and say the host disagrees;
+    the counts are the fleet's."""
+    admin = system.admin_token
+    task_id = await system.submit(admin, "--goal", "take a screenshot")
+    a = await host.take()
+    assert (await web.sign_in("admin", admin)).status_code == 303
+
+    fleet = (await web.get("/")).text
+    row = fleet.split(f'data-device-id="{a.device_id}"', 1)[1].split("</tr>", 1)[0]
+    assert '<span class="dev dev-busy">busy</span>' in row
+    assert "host reports idle" in row
+    assert f'href="/tasks/{task_id}"' in row
+    assert '<span class="stat-n dev-busy">1</span>' in fleet
+    assert '<span class="stat-n dev-idle">1</span>' in fleet
+
+    devices = (await system.cli("devices", "--json", token=admin)).json()
+    mine = next(d for d in devices if d["device_id"] == a.device_id)
+    assert (mine["state"], mine["task_id"], mine["reported"]) == ("busy", task_id, "idle")
+    assert mine["disagreement"]
+    table = await system.cli("devices", token=admin)
+    assert "busy" in table.out and "host reports idle" in table.out
