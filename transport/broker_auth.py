@@ -85,6 +85,18 @@ _JWT_HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
 #: The one message every refusal gets: unknown, revoked and wrong proof look alike.
 REFUSED = "authentication failed"
 
+#: What nats-server lets one connection of each role do, set in the user JWT
+#: the callout issues (``nats.payload``: largest message it may publish, bytes;
+#: ``nats.subs``: subscriptions it may hold). A publish over the payload limit is
+#: refused by nats-server and closes the offender's connection, never the
+#: control plane's. Hosts send heartbeats of up to 1,024 devices and artifact
+#: chunks (``wire.MAX_MESSAGE_SIZE``); no ops request needs more than a task
+#: payload (256 KiB of JSON) and its envelope.
+ROLE_LIMITS: dict[str, dict[str, int]] = {
+    "host": {"payload": 1024 * 1024, "subs": 256},
+    "user": {"payload": 512 * 1024, "subs": 256},
+}
+
 Kind = Literal["host", "user"]
 
 
@@ -340,9 +352,9 @@ def user_claims(
         "name": identity(kind, name),
         "nats": {
             **permissions(subjects, kind, name),
-            "subs": -1,
+            "subs": ROLE_LIMITS[kind]["subs"],
             "data": -1,
-            "payload": -1,
+            "payload": ROLE_LIMITS[kind]["payload"],
             "type": "user",
             "version": 2,
         },

@@ -66,6 +66,9 @@ ERROR_CODES: frozenset[str] = frozenset(
         "conflict",
         "gone",
         "unavailable",
+        #: Over a budget of the sender (requests or long-polls in flight) or of
+        #: the control plane: refused unserved, retry after a backoff.
+        "busy",
         "internal",
     }
 )
@@ -101,7 +104,7 @@ class RemoteError(Exception):
 
     @property
     def retryable(self) -> bool:
-        return self.code == "unavailable"
+        return self.code in ("unavailable", "busy")
 
 
 # -- time ---------------------------------------------------------------------
