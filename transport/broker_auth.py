@@ -85,13 +85,14 @@ _JWT_HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
 #: The one message every refusal gets: unknown, revoked and wrong proof look alike.
 REFUSED = "authentication failed"
 
-#: What nats-server lets one connection of each role do, set in the user JWT
-#: the callout issues (``nats.payload``: largest message it may publish, bytes;
-#: ``nats.subs``: subscriptions it may hold). A publish over the payload limit is
-#: refused by nats-server and closes the offender's connection, never the
-#: control plane's. Hosts send heartbeats of up to 1,024 devices and artifact
-#: chunks (``wire.MAX_MESSAGE_SIZE``); no ops request needs more than a task
-#: payload (256 KiB of JSON) and its envelope.
+#: Per-role limits of one connection (``payload``: largest message it may
+#: publish, bytes; ``subs``: subscriptions it may hold), written into the user
+#: JWT the callout issues. nats-server 2.15 applies only the permissions of a
+#: callout-issued user, not these limits, so the control plane enforces the
+#: payload limit itself (``transport.server`` ``max_request_bytes``: a larger
+#: request is refused undecoded). Hosts send heartbeats of up to 1,024 devices
+#: and artifact chunks (``wire.MAX_MESSAGE_SIZE``); no ops request needs more
+#: than a task payload (256 KiB of JSON) and its envelope.
 ROLE_LIMITS: dict[str, dict[str, int]] = {
     "host": {"payload": 1024 * 1024, "subs": 256},
     "user": {"payload": 512 * 1024, "subs": 256},

@@ -66,7 +66,7 @@ from fleetlease.persistence.model import DeviceSnapshot, JournalEntry, LeaseTimi
 from fleetlease.transport import wire
 from fleetlease.transport.admission import Admission, Budget, host_principal, ops_principal
 from fleetlease.transport.auth import AuthError, Verifier, session_key
-from fleetlease.transport.broker_auth import open_register_proof
+from fleetlease.transport.broker_auth import ROLE_LIMITS, open_register_proof
 from fleetlease.transport.subjects import Channel, Subjects, queue_group
 
 if TYPE_CHECKING:
@@ -156,7 +156,8 @@ class ChannelConfig:
     taken and not yet answered, and park at most ``principal_polls`` long-polls;
     all principals together at most ``pending_msgs`` requests (``pending_bytes``
     bytes). A request over any of these is answered ``busy`` at once, undecoded.
-    ``pending_msgs`` / ``pending_bytes`` are also the nats-py subscription's
+    A request over ``max_request_bytes`` is refused (``bad_request``) the same
+    way. ``pending_msgs`` / ``pending_bytes`` are also the nats-py subscription's
     pending limits: the dispatcher never waits, so that queue only holds what
     the event loop has not yet looked at."""
 
@@ -167,6 +168,8 @@ class ChannelConfig:
     principal_requests: int = 64
     principal_bytes: int = 8 * 1024 * 1024
     principal_polls: int = 16
+    #: A larger request is refused (``bad_request``) undecoded.
+    max_request_bytes: int = wire.MAX_MESSAGE_SIZE
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -210,6 +213,7 @@ DEFAULT_CHANNELS: dict[Channel, ChannelConfig] = {
         principal_requests=256,
         principal_bytes=8 * _MIB,
         principal_polls=16,
+        max_request_bytes=ROLE_LIMITS["user"]["payload"],
     ),
 }
 
@@ -482,6 +486,11 @@ class Server:
             state.received += 1
             size = len(msg.data)
             principal = self._principal(state.channel, msg)
+            if size > state.config.max_request_bytes:
+                limit = state.config.max_request_bytes
+                reason = f"request of {size} bytes, limit {limit}"
+                self._shed(state, msg, principal, reason, code="bad_request")
+                return
             refused = admission.admit(principal, size)
             if refused is not None:
                 self._shed(state, msg, principal, refused)
@@ -515,7 +524,9 @@ class Server:
             return ops_principal(self.subjects, msg.subject, msg.reply or "")
         return host_principal(self.subjects, msg.subject)
 
-    def _shed(self, state: _ChannelState, msg: Msg, principal: str, reason: str) -> None:
+    def _shed(
+        self, state: _ChannelState, msg: Msg, principal: str, reason: str, code: str = "busy"
+    ) -> None:
         state.shed += 1
         if state.shed & (state.shed - 1) == 0:  # 1st, 2nd, 4th, 8th, ...: logs stay bounded
             log.warning(
@@ -526,7 +537,8 @@ class Server:
                 shed=state.shed,
             )
         if msg.reply:
-            _background(_respond(msg, _error("busy", f"busy: {reason}; retry later")))
+            text = f"busy: {reason}; retry later" if code == "busy" else reason
+            _background(_respond(msg, _error(code, text)))
 
     async def _admitted(
         self,
