@@ -7,6 +7,11 @@ Every request goes through the same gate, in this order, and is refused at the
 first check it fails (typed ``Error{code, message}`` reply, nothing read or
 written past that point):
 
+0. admission, as it is taken off the subscription and before it is decoded
+   (``transport/admission.py``): within the channel's size limit
+   (``bad_request``), its principal's budget of requests, bytes and parked
+   long-polls, and the channel's backlog (``busy``). The subscription never
+   waits for a worker, so nats-server never sees a slow consumer here;
 1. the subject parses as one of ours and names a known verb (``bad_request``);
 2. the bytes decode as exactly one envelope of the verb's message type, within
    the size and field limits, with no NUL characters in text bound for
