@@ -26,6 +26,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from fleetlease.ops.service import ControlPlaneService
 from fleetlease.persistence.model import LeaseTimings, TaskKind, TaskSpec
 from fleetlease.transport import wire
 from fleetlease.transport.client import HostClient
+from fleetlease.transport.server import DEFAULT_CHANNELS
 from fleetlease.transport.subjects import Channel
 
 
@@ -142,6 +144,15 @@ async def run(args: argparse.Namespace) -> None:
         prefix=prefix,
         timings=LeaseTimings(claim_s=60, ack_s=60, lease_s=120, liveness_s=600),
         scheduler_interval_s=1.0,
+        # One host sends --concurrency heartbeats at once: over a real host's
+        # budget (which answers them busy), not what this bench measures.
+        channels={
+            Channel.CONTROL: replace(
+                DEFAULT_CHANNELS[Channel.CONTROL],
+                principal_requests=max(args.concurrency, 1) * 2,
+                principal_bytes=64 * 1024 * 1024,
+            )
+        },
     )
     await svc.start()
     clients: list[HostClient] = []

@@ -83,6 +83,8 @@ class ControlPlaneService:
     #: control plane's nkey user. The nats-server must run the config of
     #: ``transport.broker_config.secure_config`` for the keys in ``state_dir/broker``.
     broker_security: bool = False
+    #: Per-channel limits overriding ``transport.server.DEFAULT_CHANNELS``.
+    channels: Mapping[Any, Any] | None = None
 
     engine: AsyncEngine | None = None
     repo: Repository | None = None
@@ -126,6 +128,7 @@ class ControlPlaneService:
                 timings=self.timings,
                 heartbeat_s=self.heartbeat_s,
                 connect_options=connect_options,
+                channels=self.channels,
             )
             await self.server.start()
         except BaseException:
