@@ -426,3 +426,41 @@ async def test_one_user_cannot_take_the_long_poll_pool(served: Served, engine: A
         assert 1 <= calls <= 50
         for p in polls:
             p.cancel()
+
+
+async def test_one_host_cannot_take_the_claim_pool(served: Served, engine: AsyncEngine) -> None:
+    creds = {h: await add_host(engine, h) for h in ("h1", "h2")}
+    clients = {
+        h: HostClient(
+            nats_url=served.url,
+            host_id=h,
+            credential=c,
+            connect_options=host_connect_options(h, c),
+            timeout_s=WAIT_S,
+        )
+        for h, c in creds.items()
+    }
+    try:
+        for h, c in clients.items():
+            await c.connect()
+            await c.register()
+            await c.heartbeat([wire.Device(device_id=f"{h}-d0")])
+        claims = [asyncio.ensure_future(clients["h1"].claim(30.0, ["h1-d0"])) for _ in range(40)]
+
+        async def over_cap_answered() -> bool:
+            return sum(1 for c in claims if c.done()) >= 20
+
+        await until(over_cap_answered, "h1's claims over its cap are answered")
+        refused = [c.exception() for c in claims if c.done()]
+        codes = sorted({getattr(e, "code", repr(e)) for e in refused})
+        parked = sum(1 for c in claims if not c.done())
+        print(f"\n40 claims of one host: {len(refused)} refused {codes}, {parked} parked")
+        assert codes == ["busy"] and 0 < parked <= 32
+        # Another host's claim is not refused: it parks for its wait, then
+        # answers "no work".
+        assert await clients["h2"].claim(1.0, ["h2-d0"]) is None
+        for c in claims:
+            c.cancel()
+    finally:
+        for c in clients.values():
+            await c.close()
