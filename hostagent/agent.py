@@ -174,7 +174,7 @@ FAILPOINTS: frozenset[str] = frozenset(
 HANDBACK_REASON = "handed back: agent shutting down"
 
 #: Error codes after which a request is worth repeating unchanged.
-_TRANSIENT_CODES = frozenset({"unavailable", "internal"})
+_TRANSIENT_CODES = frozenset({"unavailable", "busy", "internal"})
 #: Codes with which the control plane refuses the credential at registration.
 _REFUSED_CODES = frozenset({"unauthorized", "forbidden", "bad_request", "not_found"})
 #: How many times one request is retried on a fresh session after "unauthorized".

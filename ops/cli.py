@@ -42,6 +42,7 @@ EXIT_BY_CODE = {
     "conflict": EXIT_CONFLICT,
     "gone": EXIT_CONFLICT,
     "unavailable": EXIT_UNAVAILABLE,
+    "busy": EXIT_UNAVAILABLE,
 }
 
 COMMAND_MODULES = [

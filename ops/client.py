@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+import random
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fleetlease.ops import limits
@@ -271,27 +272,77 @@ def normalize_event(raw: Any) -> dict[str, Any] | None:
     }
 
 
+@dataclass
+class PollPacer:
+    """When a long-poll loop may ask again. An answer with events, or one that
+    took most of the wait asked for, is followed at once by the next poll. An
+    empty answer that came back early (the control plane had no long-poll slot
+    to park it in, or is stopping) and a ``busy`` refusal are followed by a
+    capped exponential backoff with jitter, so a loop never spins however the
+    control plane answers."""
+
+    base_s: float = 0.5
+    cap_s: float = 15.0
+    #: An empty answer within this fraction of the wait asked for is early.
+    early_fraction: float = 0.5
+    rng: Callable[[], float] = field(default=random.random)
+    failures: int = 0
+
+    def answered(self, *, waited_s: float, asked_s: float, events: int) -> float:
+        """The pause before the next poll after an answer."""
+        if events or waited_s >= asked_s * self.early_fraction:
+            self.failures = 0
+            return 0.0
+        return self.refused()
+
+    def refused(self) -> float:
+        """The pause before the next poll after a ``busy`` refusal."""
+        self.failures += 1
+        delay = min(self.cap_s, self.base_s * 2 ** min(self.failures - 1, 32))
+        return float(delay * (0.5 + 0.5 * self.rng()))
+
+
+async def _poll_events(client: OpsClient, pacer: PollPacer, **args: Any) -> Any:
+    """One ``events`` call, retried after ``pacer``'s backoff while ``busy``."""
+    while True:
+        try:
+            return await client.call("events", **args)
+        except OpsError as exc:
+            if exc.code != "busy":
+                raise
+        await asyncio.sleep(pacer.refused())
+
+
 async def task_events(
     client: OpsClient,
     *,
     subscribed: asyncio.Event | None = None,
     wait_s: float | None = None,
+    pacer: PollPacer | None = None,
 ) -> AsyncGenerator[dict[str, Any], None]:
     """State changes of the tasks this user may read, from the control plane's
     ``events`` verb (a long-poll the control plane filters by the user's roles:
     no client ever reads another's events). ``subscribed`` is set once the
     cursor of the present is known: every event after that is seen (a live view
     can say "live" truthfully). ``wait_s``: the long-poll of one request
-    (default: three quarters of the client's timeout, at most 25 s)."""
+    (default: three quarters of the client's timeout, at most 25 s). Early empty
+    answers and ``busy`` refusals are paced by ``pacer`` (:class:`PollPacer`)."""
     wait = wait_s if wait_s is not None else min(25.0, client.timeout_s * 0.75)
-    first = await client.call("events")
+    pacer = pacer if pacer is not None else PollPacer()
+    loop = asyncio.get_running_loop()
+    first = await _poll_events(client, pacer)
     cursor, epoch = int(first["next"]), str(first["epoch"])
     if subscribed is not None:
         subscribed.set()
     while True:
-        page = await client.call("events", after=cursor, epoch=epoch, wait_s=wait)
+        started = loop.time()
+        page = await _poll_events(client, pacer, after=cursor, epoch=epoch, wait_s=wait)
         cursor, epoch = int(page["next"]), str(page["epoch"])
-        for raw in page.get("events") or []:
+        raws = page.get("events") or []
+        delay = pacer.answered(waited_s=loop.time() - started, asked_s=wait, events=len(raws))
+        for raw in raws:
             event = normalize_event(raw)
             if event is not None:
                 yield event
+        if delay > 0:
+            await asyncio.sleep(delay)

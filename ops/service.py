@@ -90,6 +90,8 @@ class ControlPlaneService:
     #: Artifact staging limits (``transport.staging.StagingLimits``; its
     #: defaults when None).
     staging: Any = None
+    #: Per-channel limits overriding ``transport.server.DEFAULT_CHANNELS``.
+    channels: Mapping[Any, Any] | None = None
 
     engine: AsyncEngine | None = None
     repo: Repository | None = None
@@ -135,6 +137,7 @@ class ControlPlaneService:
                 connect_options=connect_options,
                 storage_connect_options=storage_options,
                 staging=self.staging,
+                channels=self.channels,
             )
             await self.server.start()
         except BaseException:

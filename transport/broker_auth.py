@@ -120,6 +120,19 @@ _UNDECIDED_POLL_S = 0.02
 #: (offset paging would skip entries when earlier connections close between pages).
 _CONNZ_LIMIT = 1 << 24
 
+#: Per-role limits of one connection (``payload``: largest message it may
+#: publish, bytes; ``subs``: subscriptions it may hold), written into the user
+#: JWT the callout issues. nats-server 2.15 applies only the permissions of a
+#: callout-issued user, not these limits, so the control plane enforces the
+#: payload limit itself (``transport.server`` ``max_request_bytes``: a larger
+#: request is refused undecoded). Hosts send heartbeats of up to 1,024 devices
+#: and artifact chunks (``wire.MAX_MESSAGE_SIZE``); no ops request needs more
+#: than a task payload (256 KiB of JSON) and its envelope.
+ROLE_LIMITS: dict[str, dict[str, int]] = {
+    "host": {"payload": 1024 * 1024, "subs": 256},
+    "user": {"payload": 512 * 1024, "subs": 256},
+}
+
 Kind = Literal["host", "user"]
 
 
@@ -375,9 +388,9 @@ def user_claims(
         "name": identity(kind, name),
         "nats": {
             **permissions(subjects, kind, name),
-            "subs": -1,
+            "subs": ROLE_LIMITS[kind]["subs"],
             "data": -1,
-            "payload": -1,
+            "payload": ROLE_LIMITS[kind]["payload"],
             "type": "user",
             "version": 2,
         },

@@ -3,7 +3,7 @@
 the session key.
 
 ``HostClient`` raises ``RemoteError`` for an error reply (``.code`` is the wire
-code, ``.retryable`` for ``unavailable``) and ``TransportError`` (a retryable
+code, ``.retryable`` for ``unavailable`` and ``busy``) and ``TransportError`` (a retryable
 ``RemoteError`` with code ``unavailable``) when no reply came: the request may or
 may not have been applied, so callers retry with the same content (results carry
 a fingerprint, renewals are idempotent).

@@ -11,6 +11,11 @@ written past that point):
    (``Subjects.reply_allowed``); otherwise there is no reply at all, only a
    ``reply_subject_refused`` warning, since the reply subject is the sender's
    choice and the control plane must never publish elsewhere on its behalf;
+0. then admission, as it is taken off the subscription and before it is decoded
+   (``transport/admission.py``): within the channel's size limit
+   (``bad_request``), its principal's budget of requests, bytes and parked
+   long-polls, and the channel's backlog (``busy``). The subscription never
+   waits for a worker, so nats-server never sees a slow consumer here;
 1. the subject parses as one of ours and names a known verb (``bad_request``);
 2. the bytes decode as exactly one envelope of the verb's message type, within
    the size and field limits, with no NUL characters in text bound for
@@ -71,8 +76,9 @@ from fleetlease.persistence.errors import (
 )
 from fleetlease.persistence.model import DeviceSnapshot, JournalEntry, LeaseTimings, Session
 from fleetlease.transport import wire
+from fleetlease.transport.admission import Admission, Budget, host_principal, ops_principal
 from fleetlease.transport.auth import AuthError, Verifier, session_key
-from fleetlease.transport.broker_auth import open_register_proof
+from fleetlease.transport.broker_auth import ROLE_LIMITS, open_register_proof
 from fleetlease.transport.staging import Staging, StagingLimits
 from fleetlease.transport.subjects import IDENTIFY_VERB, Channel, Subjects, queue_group
 
@@ -157,27 +163,72 @@ class ChannelConfig:
     claims and ops ``events`` polls, which park until something happens: a host
     fleet long-polling can never take the workers that renewals and results
     need. A long-poll that finds no slot free is answered at once (no waiting)
-    from the normal pool."""
+    from the normal pool.
+
+    Admission (``transport/admission.py``): one principal may have at most
+    ``principal_requests`` requests (``principal_bytes`` bytes) of this channel
+    taken and not yet answered, and park at most ``principal_polls`` long-polls;
+    all principals together at most ``pending_msgs`` requests (``pending_bytes``
+    bytes). A request over any of these is answered ``busy`` at once, undecoded.
+    A request over ``max_request_bytes`` is refused (``bad_request``) the same
+    way. ``pending_msgs`` / ``pending_bytes`` are also the nats-py subscription's
+    pending limits: the dispatcher never waits, so that queue only holds what
+    the event loop has not yet looked at."""
 
     workers: int
     long_poll: int = 0
     pending_msgs: int = 65536
     pending_bytes: int = 64 * 1024 * 1024
+    principal_requests: int = 64
+    principal_bytes: int = 8 * 1024 * 1024
+    principal_polls: int = 16
+    #: A larger request is refused (``bad_request``) undecoded.
+    max_request_bytes: int = wire.MAX_MESSAGE_SIZE
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers!r}")
         if self.long_poll < 0:
             raise ValueError(f"long_poll must not be negative, got {self.long_poll!r}")
+        self.budget()  # validates the admission bounds
 
+    def budget(self) -> Budget:
+        return Budget(
+            principal_requests=self.principal_requests,
+            principal_bytes=self.principal_bytes,
+            principal_polls=self.principal_polls,
+            backlog_requests=self.pending_msgs,
+            backlog_bytes=self.pending_bytes,
+        )
+
+
+_MIB = 1024 * 1024
 
 DEFAULT_CHANNELS: dict[Channel, ChannelConfig] = {
-    Channel.CONTROL: ChannelConfig(workers=64),
-    Channel.JOBS: ChannelConfig(workers=256, long_poll=4096),
-    Channel.LOGS: ChannelConfig(workers=16),
-    Channel.ARTIFACTS: ChannelConfig(workers=8),
+    # A host has one heartbeat (register, reconcile) in flight at a time.
+    Channel.CONTROL: ChannelConfig(workers=64, principal_requests=8, principal_bytes=4 * _MIB),
+    # One lease message per device may be in flight (renewals of a full host).
+    Channel.JOBS: ChannelConfig(
+        workers=256,
+        long_poll=4096,
+        principal_requests=wire.MAX_DEVICES,
+        principal_bytes=8 * _MIB,
+        principal_polls=16,
+    ),
+    # Every running attempt of a host may be appending logs (one per device).
+    Channel.LOGS: ChannelConfig(
+        workers=16, principal_requests=wire.MAX_DEVICES, principal_bytes=16 * _MIB
+    ),
+    Channel.ARTIFACTS: ChannelConfig(workers=8, principal_requests=64, principal_bytes=16 * _MIB),
     # long_poll: the ops `events` long-polls of live views (watch, web console).
-    Channel.OPS: ChannelConfig(workers=64, long_poll=1024),
+    Channel.OPS: ChannelConfig(
+        workers=64,
+        long_poll=1024,
+        principal_requests=256,
+        principal_bytes=8 * _MIB,
+        principal_polls=16,
+        max_request_bytes=ROLE_LIMITS["user"]["payload"],
+    ),
 }
 
 
@@ -189,11 +240,13 @@ class _ChannelState:
     sub: Subscription | None = None
     sem: asyncio.Semaphore | None = None
     poll_sem: asyncio.Semaphore | None = None
+    admission: Admission | None = None
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     #: Tests close this gate to stall a channel on purpose.
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     received: int = 0
     handled: int = 0
+    shed: int = 0
 
 
 Handler = Callable[[Msg, bool], Awaitable[bytes]]
@@ -322,6 +375,7 @@ class Server:
                 state = self._channels[channel]
                 state.gate.set()
                 state.sem = asyncio.Semaphore(state.config.workers)
+                state.admission = Admission(state.config.budget())
                 if state.config.long_poll:
                     state.poll_sem = asyncio.Semaphore(state.config.long_poll)
                 state.nc = await self._connect(f"fleetlease-server-{channel.value}")
@@ -449,6 +503,10 @@ class Server:
         """Requests of ``channel`` taken off NATS so far (answered or not)."""
         return self._channels[Channel(channel)].received
 
+    def shed(self, channel: Channel) -> int:
+        """Requests of ``channel`` answered ``busy`` without being served."""
+        return self._channels[Channel(channel)].shed
+
     def in_flight(self, channel: Channel) -> int:
         return len(self._channels[Channel(channel)].tasks)
 
@@ -456,29 +514,92 @@ class Server:
     def _dispatcher(
         self, state: _ChannelState, handler: Handler
     ) -> Callable[[Msg], Awaitable[None]]:
+        """The subscription's callback. It never waits: a request is admitted
+        (a task that queues for a worker) or shed (answered ``busy`` at once), so
+        the connection is read as fast as nats-server writes to it."""
+        polls = (".claim", ".events")
+
         async def on_message(msg: Msg) -> None:
-            assert state.sem is not None
+            assert state.sem is not None and state.admission is not None
+            admission = state.admission
             state.received += 1
-            sem = state.sem
-            may_wait = False
-            # Never block the subscription on the long-poll pool: with no slot
-            # free, a claim is answered without waiting.
-            if (
-                state.poll_sem is not None
-                and msg.subject.endswith((".claim", ".events"))
-                and not state.poll_sem.locked()
-            ):
-                sem, may_wait = state.poll_sem, True
-            await sem.acquire()
-            try:
-                task = asyncio.create_task(self._serve_one(state, handler, msg, sem, may_wait))
-            except BaseException:
-                sem.release()
-                raise
+            size = len(msg.data)
+            principal = self._principal(state.channel, msg)
+            if size > state.config.max_request_bytes:
+                limit = state.config.max_request_bytes
+                reason = f"request of {size} bytes, limit {limit}"
+                self._shed(state, msg, principal, reason, code="bad_request")
+                return
+            refused = admission.admit(principal, size)
+            if refused is not None:
+                self._shed(state, msg, principal, refused)
+                return
+            sem, may_wait, parked = state.sem, False, False
+            poll_sem = state.poll_sem
+            if poll_sem is not None and msg.subject.endswith(polls):
+                if not admission.park(principal):
+                    admission.release(principal, size)
+                    self._shed(
+                        state, msg, principal, "too many long-polls parked by this principal"
+                    )
+                    return
+                parked = True
+                # With no long-poll slot free, answered without waiting from the
+                # normal pool (the client paces itself).
+                if not poll_sem.locked():
+                    await poll_sem.acquire()  # a slot is free: returns at once
+                    sem, may_wait = poll_sem, True
+            task = asyncio.create_task(
+                self._admitted(state, handler, msg, sem, may_wait, principal, size, parked)
+            )
             state.tasks.add(task)
             task.add_done_callback(state.tasks.discard)
 
         return on_message
+
+    def _principal(self, channel: Channel, msg: Msg) -> str:
+        """Who a request is charged to (``transport/admission.py``)."""
+        if channel is Channel.OPS:
+            return ops_principal(self.subjects, msg.subject, msg.reply or "")
+        return host_principal(self.subjects, msg.subject)
+
+    def _shed(
+        self, state: _ChannelState, msg: Msg, principal: str, reason: str, code: str = "busy"
+    ) -> None:
+        state.shed += 1
+        if state.shed & (state.shed - 1) == 0:  # 1st, 2nd, 4th, 8th, ...: logs stay bounded
+            log.warning(
+                "requests_shed",
+                channel=state.channel.value,
+                principal=principal,
+                reason=reason,
+                shed=state.shed,
+            )
+        if msg.reply and self.subjects.reply_allowed(msg.subject, msg.reply):
+            text = f"busy: {reason}; retry later" if code == "busy" else reason
+            _background(_respond(msg, _error(code, text)))
+
+    async def _admitted(
+        self,
+        state: _ChannelState,
+        handler: Handler,
+        msg: Msg,
+        sem: asyncio.Semaphore,
+        may_wait: bool,
+        principal: str,
+        size: int,
+        parked: bool,
+    ) -> None:
+        assert state.admission is not None
+        try:
+            if not may_wait:
+                await sem.acquire()
+            # ``_serve_one`` releases ``sem``.
+            await self._serve_one(state, handler, msg, sem, may_wait)
+        finally:
+            state.admission.release(principal, size)
+            if parked:
+                state.admission.unpark(principal)
 
     async def _serve_one(
         self,
@@ -1037,6 +1158,11 @@ class Server:
         if origin == self._instance or not isinstance(hosts, list):
             return
         self.cp.wake_hosts([h for h in hosts if isinstance(h, str)])
+
+
+async def _respond(msg: Msg, reply: bytes) -> None:
+    with contextlib.suppress(Exception):
+        await msg.respond(reply)
 
 
 async def _publish_all(nc: NatsClient, subject: str, payloads: list[bytes]) -> None:

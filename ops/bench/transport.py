@@ -26,6 +26,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from fleetlease.ops.service import ControlPlaneService
 from fleetlease.persistence.model import LeaseTimings, TaskKind, TaskSpec
 from fleetlease.transport import wire
 from fleetlease.transport.client import HostClient
+from fleetlease.transport.server import DEFAULT_CHANNELS
 from fleetlease.transport.staging import StagingLimits
 from fleetlease.transport.subjects import Channel
 
@@ -110,6 +112,15 @@ async def run(args: argparse.Namespace) -> None:
         scheduler_interval_s=1.0,
         # The bench's one host sends every chunk request at once.
         staging=StagingLimits(host_in_flight=max(args.concurrency, 1)),
+        # One host sends --concurrency heartbeats at once: over a real host's
+        # budget (which answers them busy), not what this bench measures.
+        channels={
+            Channel.CONTROL: replace(
+                DEFAULT_CHANNELS[Channel.CONTROL],
+                principal_requests=max(args.concurrency, 1) * 2,
+                principal_bytes=64 * 1024 * 1024,
+            )
+        },
     )
     await svc.start()
     clients: list[HostClient] = []

@@ -221,13 +221,34 @@ FULL: list[tuple[wire.Message, dict[str, Any]]] = [
     ),
     (
         wire.ArtifactChunk(
-            task_id=TASK, attempt=1, name="out.bin", offset=4096, data=b"\x00\x01\x02"
+            task_id=TASK,
+            attempt=1,
+            lease_token="tok",
+            name="out.bin",
+            offset=4096,
+            data=b"\x00\x01\x02",
         ),
-        {"task_id": TASK, "attempt": 1, "name": "out.bin", "offset": 4096, "data": b"\x00\x01\x02"},
+        {
+            "task_id": TASK,
+            "attempt": 1,
+            "lease_token": "tok",
+            "name": "out.bin",
+            "offset": 4096,
+            "data": b"\x00\x01\x02",
+        },
     ),
     (
-        wire.ArtifactCommit(task_id=TASK, attempt=1, name="out.bin", size=4099, sha256="ab" * 32),
-        {"task_id": TASK, "attempt": 1, "name": "out.bin", "size": 4099, "sha256": "ab" * 32},
+        wire.ArtifactCommit(
+            task_id=TASK, attempt=1, lease_token="tok", name="out.bin", size=4099, sha256="ab" * 32
+        ),
+        {
+            "task_id": TASK,
+            "attempt": 1,
+            "lease_token": "tok",
+            "name": "out.bin",
+            "size": 4099,
+            "sha256": "ab" * 32,
+        },
     ),
     (
         wire.OpsRequest(token="t" * 64, verb="submit", args={"goal": "g", "count": 2}),

@@ -46,7 +46,10 @@ ERROR_CODES: frozenset[str] = frozenset(
         "gone",
         "unavailable",
         "internal",
+        #: Over a staging quota (artifact uploads): retry once uploads drain.
         "quota",
+        #: Over a budget of the sender (requests or long-polls in flight) or of
+        #: the control plane: refused unserved, retry after a backoff.
         "busy",
     }
 )
@@ -82,7 +85,7 @@ class RemoteError(Exception):
 
     @property
     def retryable(self) -> bool:
-        return self.code == "unavailable"
+        return self.code in ("unavailable", "busy")
 
 
 # -- time ---------------------------------------------------------------------
