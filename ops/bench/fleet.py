@@ -286,11 +286,23 @@ async def revoke_hosts(db_url: str, names: Sequence[str]) -> None:
     await with_repo(db_url, run)
 
 
-async def submit(ops: Any, n: int, batch: int = SUBMIT_BATCH) -> list[str]:
+async def submit(
+    ops: Any,
+    n: int,
+    batch: int = SUBMIT_BATCH,
+    *,
+    payload: dict[str, Any] = ZERO,
+    selector: dict[str, str] | None = None,
+) -> list[str]:
     ids: list[str] = []
+    extra = {"selector": selector} if selector else {}
+    if not ops.user:
+        # The client learns its user on its first call and reconnects as that
+        # user: first calls made concurrently would lose their replies.
+        await ops.call("whoami")
 
     async def one(count: int) -> list[str]:
-        reply = await ops.call("submit", goal="bench", payload=ZERO, count=count)
+        reply = await ops.call("submit", goal="bench", payload=payload, count=count, **extra)
         return list(reply["ids"])
 
     sizes = [min(batch, n - i) for i in range(0, n, batch)]
