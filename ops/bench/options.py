@@ -32,22 +32,29 @@ class BenchOptions:
     #: Also run the floor cell (``ops/bench/floor.py``): the actors and the
     #: write-through alone, no transport and no agents.
     floor: bool = False
+    #: The cancel-reach cell (``ops/bench/cancel.py``): hang tasks queued
+    #: behind the running ones (0 skips the cell), cancels issued in each of
+    #: its two runs, and the lease of its control plane (hosts renew every
+    #: third of it).
+    cancel_backlog: int = 2000
+    cancel_count: int = 50
+    cancel_lease_s: float = 9.0
     database_url: str | None = None
     nats_url: str | None = None
     progress: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("hosts", "devices_per_host", "tasks"):
+        for name in ("hosts", "devices_per_host", "tasks", "cancel_count"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("renew_leases", "recovery_leases"):
+        for name in ("renew_leases", "recovery_leases", "cancel_backlog"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.recovery_leases > self.renew_leases:
             raise ValueError("recovery_leases must be <= renew_leases (they are reused)")
-        for name in ("renew_period_s", "renew_burst_s", "calibration_s"):
+        for name in ("renew_period_s", "renew_burst_s", "calibration_s", "cancel_lease_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

@@ -42,6 +42,13 @@ Everything is measured in one run, on this machine, beside its calibration:
   facade for hosts that cost nothing (``ops/bench/floor.py``): tasks/s,
   transitions/s, commits and CPU per task; the ratios floor / ceiling and
   whole system / floor. An upper bound for the whole system here.
+* **cancel reach** (``--cancel-backlog``, 0 skips it): running tasks that never
+  end by themselves, more of them queued behind, cancelled through the ops API
+  a few a second, quiet and then under load (submits and listings on the ops
+  API, zero-duration tasks run meanwhile): the time from the cancel request to
+  its ops reply, to the host learning it (its runner's ``ctx.cancelled``) and to
+  the attempt ending ``cancelled``, p50/p99/max, beside the hosts' renewal
+  interval (``ops/bench/cancel.py``).
 * **peers** (``--peers``): the same N zero-duration jobs through procrastinate and
   pgqueuer (extra ``bench``), each alone on a scratch database of the same
   PostgreSQL, with the same worker concurrency (hosts x devices per host).
@@ -136,6 +143,15 @@ async def run(opts: BenchOptions) -> dict[str, Any]:
                     cells = {"renewals": error, "recovery": error}
                 report["renewals"] = cells["renewals"]
                 report["recovery"] = cells["recovery"]
+            if opts.cancel_backlog:
+                from fleetlease.ops.bench.cancel import cancel_cell
+
+                try:
+                    async with scratch_database(srv.database_url, "cancel") as db_url:
+                        fleet = await setup_fleet(db_url, srv.nats_url, work)
+                        report["cancel_reach"] = await cancel_cell(opts, fleet)
+                except Exception as exc:  # one failed cell must not lose the others
+                    report["cancel_reach"] = {"error": f"{type(exc).__name__}: {exc}"}
             ours = report["throughput"]["tasks_per_s"]
             ratios: dict[str, Any] = {"of_transition_ceiling": _ratio(ours, ceiling)}
             if opts.floor:

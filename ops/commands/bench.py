@@ -71,6 +71,25 @@ def register(sub: Any) -> None:
         "with no transport and no agents (an upper bound for this machine)",
     )
     p.add_argument(
+        "--cancel-backlog",
+        type=int,
+        default=2000,
+        help="tasks queued behind the running ones in the cancel-reach cell "
+        "(default 2000; 0 skips the cell)",
+    )
+    p.add_argument(
+        "--cancel-count",
+        type=int,
+        default=50,
+        help="cancels of running tasks in each run of the cancel-reach cell (default 50)",
+    )
+    p.add_argument(
+        "--cancel-lease-s",
+        type=float,
+        default=9.0,
+        help="lease of the cancel-reach cell; hosts renew every third of it (default 9)",
+    )
+    p.add_argument(
         "--database-url",
         help="a PostgreSQL server where scratch databases may be created "
         "(env FLEETLEASE_DATABASE_URL; embedded when not given)",
@@ -99,6 +118,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             paced_rate=args.paced_rate,
             peers=args.peers,
             floor=args.floor,
+            cancel_backlog=args.cancel_backlog,
+            cancel_count=args.cancel_count,
+            cancel_lease_s=args.cancel_lease_s,
             database_url=args.database_url or os.environ.get("FLEETLEASE_DATABASE_URL") or None,
             nats_url=args.nats_url or os.environ.get("FLEETLEASE_NATS_URL") or None,
             progress=_progress if is_tty(sys.stderr) else None,
@@ -277,6 +299,27 @@ def print_report(r: dict[str, Any]) -> None:
         )
         table.add_row("", "until every lease served again", _f(rc["all_leases_served_s"], " s", 2))
         table.add_row("", "lost / duplicated tasks", f"{rc['lost']} / {rc['duplicated']}")
+    cx = r.get("cancel_reach")
+    if cx and "error" in cx:
+        table.add_row("cancel reach", "failed", cx["error"])
+    elif cx:
+        table.add_row(
+            "cancel reach",
+            f"{cx['running']} running, {cx['backlog']:,} queued: hosts renew every",
+            _f(cx["renewal_interval_s"], " s", 1),
+        )
+        for run in ("quiet", "loaded"):
+            c = cx[run]
+            table.add_row("", f"{run}: cancel -> ops reply", _lat(c["reply"]))
+            table.add_row("", f"{run}: cancel -> host learns it", _lat(c["host"]))
+            table.add_row("", f"{run}: ops reply -> host learns it", _lat(c["reply_to_host"]))
+            table.add_row("", f"{run}: cancel -> attempt ended cancelled", _lat(c["ended"]))
+            table.add_row(
+                "",
+                f"{run}: renewals after the reply missing the cancel",
+                str(c["renewals_missing_it"]),
+            )
+            table.add_row("", f"{run}: benchmark event-loop lag", _lat(c["bench_loop_lag"]))
     fl = r.get("floor")
     if fl and "error" in fl:
         table.add_row("floor", "failed", fl["error"])

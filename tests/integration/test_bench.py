@@ -47,6 +47,12 @@ def test_bench_with_tiny_sizes_prints_a_report_of_every_cell(
             "--paced-rate",
             "5",
             "--floor",
+            "--cancel-backlog",
+            "10",
+            "--cancel-count",
+            "2",
+            "--cancel-lease-s",
+            "3",
             "--database-url",
             pg_server_url,
             "--nats-url",
@@ -130,6 +136,21 @@ def test_bench_with_tiny_sizes_prints_a_report_of_every_cell(
     ):
         assert isinstance(fl[key], int | float) and fl[key] > 0, key
     assert {"floor_of_transition_ceiling", "of_floor"} <= set(report["ratios"])
+
+    cx = report["cancel_reach"]
+    assert "error" not in cx, cx
+    assert cx["running"] == 2 and cx["backlog"] == 10
+    assert cx["renewal_interval_s"] == 1.0
+    for run in ("quiet", "loaded"):
+        c = cx[run]
+        assert c["cancels"] == 2
+        for key in ("reply", "host", "reply_to_host", "ended", "bench_loop_lag"):
+            assert set(c[key]) == LATENCY_KEYS, key
+        assert c["reply"]["n"] == c["host"]["n"] == c["ended"]["n"] == 2
+        # The intent is committed before the reply: no renewal sent after the
+        # reply may miss it.
+        assert c["renewals_missing_it"] == 0
+    assert cx["loaded"]["load"]["churn_tasks_submitted"] > 0
 
     assert "of_transition_ceiling" in report["ratios"]
     assert "peers" not in report
