@@ -66,6 +66,8 @@ class OpsClient:
     #: (harmless on an open server). Unknown: an anonymous connect,
     #: which only an open server accepts.
     user: str | None = None
+    #: Concurrent first calls identify once, not each on its own connection.
+    _identifying: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     @classmethod
     def from_settings(cls, settings: Settings, timeout_s: float = DEFAULT_TIMEOUT_S) -> OpsClient:
@@ -182,7 +184,9 @@ class OpsClient:
         its user asks the control plane whose the token is first (an open broker
         only: a secured one admits no unnamed user) and reconnects as that user."""
         if not self.user:
-            await self._identify()
+            async with self._identifying:
+                if not self.user:
+                    await self._identify()
         assert self.user is not None
         return await self._request(self.subjects.ops(self.user, verb), verb, args)
 

@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from structlog.testing import capture_logs
 
 from fleetlease.ops.cli import main
+from fleetlease.ops.client import OpsClient
 from fleetlease.ops.embedded import EmbeddedNats
 from fleetlease.ops.service import ControlPlaneService
 from fleetlease.persistence.tables import tasks, users
@@ -276,6 +277,12 @@ async def test_on_an_open_broker_the_token_must_be_the_subjects_user(
         who = wire.encode(wire.OpsRequest(token=bob, verb="whoami"))
         reply = await principal_request(nc, s, s.ops_identify(), who, WAIT_S)
         assert wire.decode_reply(reply.data, wire.OpsReply).data["name"] == "bob"
+        # A client not told its user identifies once, however many first calls
+        # it makes at once, and every one of them is answered.
+        client = OpsClient(nats_url=nats_url, token=bob, prefix=subject_prefix, timeout_s=WAIT_S)
+        async with client:
+            answers = await asyncio.gather(*(client.call("whoami") for _ in range(6)))
+        assert [a["name"] for a in answers] == ["bob"] * 6
     finally:
         await nc.close()
         await service.stop()
