@@ -1,0 +1,1 @@
+"""The user API behind the ops subjects."""
