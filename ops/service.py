@@ -148,7 +148,7 @@ class ControlPlaneService:
 
     def _ops_api(self) -> Any:
         try:
-            from fleetlease.ops.userapi.api import OpsApi
+            from fleetlease.ops.userapi import OpsApi
         except ModuleNotFoundError:
             return None
         assert self.repo is not None

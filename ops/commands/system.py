@@ -399,7 +399,7 @@ class LocalSystem:
             await proc.wait()
 
     async def wait_host_live(self) -> dict[str, Any] | None:
-        from fleetlease.ops.userapi.api import project_host
+        from fleetlease.ops.userapi import project_host
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + HOST_LIVE_TIMEOUT_S

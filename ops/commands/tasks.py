@@ -644,7 +644,7 @@ def cmd_user_add(args: argparse.Namespace) -> int:
     if args.direct or args.database_url:
 
         async def direct(repo: Any) -> dict[str, Any]:
-            from fleetlease.ops.userapi.api import Args
+            from fleetlease.ops.userapi import Args
 
             name = Args({"name": args.name}, ("name",)).name("name", required=True)
             token = await repo.add_user(name, platform_admin=args.platform_admin)
@@ -666,7 +666,7 @@ def cmd_project_add(args: argparse.Namespace) -> int:
     if args.direct or args.database_url:
 
         async def direct(repo: Any) -> dict[str, Any]:
-            from fleetlease.ops.userapi.api import Args
+            from fleetlease.ops.userapi import Args
 
             a = Args(
                 {"name": args.name, "owner": args.owner, "admins": args.admin},
