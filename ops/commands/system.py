@@ -419,7 +419,7 @@ class LocalSystem:
         if self.web is None:
             return
         from fleetlease.ops.client import OpsError
-        from fleetlease.ops.web.app import WebSettings
+        from fleetlease.ops.web import WebSettings
         from fleetlease.ops.web.server import parse_listen, start_console
 
         try:
