@@ -98,7 +98,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 class _LiveTasks:
-    """The redrawn-in-place table of ``watch`` (and of ``up --demo``)."""
+    """The redrawn-in-place table of ``watch``."""
 
     def __init__(self, rows: dict[str, dict[str, Any]], limit: int, title: str = "tasks") -> None:
         from rich.live import Live
