@@ -48,7 +48,10 @@ EXIT_BY_CODE = {
 COMMAND_MODULES = [
     "fleetlease.ops.commands.system",
     "fleetlease.ops.commands.agent",
-    "fleetlease.ops.commands.user",
+    "fleetlease.ops.commands.tasks",
+    "fleetlease.ops.commands.fleet",
+    "fleetlease.ops.commands.admin",
+    "fleetlease.ops.commands.watch",
     "fleetlease.ops.commands.bench",
     "fleetlease.ops.commands.web",
     "fleetlease.ops.commands.soak",

@@ -1,8 +1,8 @@
 """The client of the user API: requests on ``{prefix}.ops.{user}.{verb}`` carrying
-the user's token, answered by ``ops/api.py`` in the control plane, and the task events of
+the user's token, answered by ``ops/userapi`` in the control plane, and the task events of
 the tasks that user may read.
 
-Used by the CLI (``ops/commands/user.py``) and the web console (``ops/web``).
+Used by the CLI (``ops/commands``) and the web console (``ops/web``).
 Every failure is an ``OpsError`` carrying the wire error ``code``
 (``unauthorized``, ``forbidden``, ``not_found``, ...): the web console answers
 401, 403 or 404 by it, the CLI maps it to its exit code (``ops/cli.py``).

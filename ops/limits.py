@@ -1,4 +1,4 @@
-"""The sizes the user API accepts, in bytes, shared by the API (``ops/api.py``,
+"""The sizes the user API accepts, in bytes, shared by the API (``ops/userapi``,
 which enforces them for every client) and the ops client (``ops/client.py``,
 which checks a request before publishing it). Either way an oversized argument
 is the same typed error, ``bad request: goal is larger than 4096 bytes``,

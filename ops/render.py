@@ -1,7 +1,7 @@
 """How the ops commands print: rich tables for people, exact JSON for scripts.
 
 Every function takes the data exactly as the user API returned it (the shapes
-documented in the README) and never adds anything to the JSON form. Tables are
+documented in docs/cli.md, "JSON output") and never adds anything to the JSON form. Tables are
 built at call time on the current ``sys.stdout`` so that tests capturing output
 see them; when stdout is not a terminal, rich renders plain text at a fixed wide
 width so that ids are never cut.

@@ -79,7 +79,7 @@ class ControlPlaneService:
     scheduler_interval_s: float = 1.0
     migrate: bool = True
     pool_size: int = 20
-    #: Broker security (issue 11): serve the NATS auth callout and connect as the
+    #: Broker security: serve the NATS auth callout and connect as the
     #: control plane's nkey user. The nats-server must run the config of
     #: ``transport.broker_config.secure_config`` for the keys in ``state_dir/broker``.
     broker_security: bool = False
@@ -148,7 +148,7 @@ class ControlPlaneService:
 
     def _ops_api(self) -> Any:
         try:
-            from fleetlease.ops.api import OpsApi
+            from fleetlease.ops.userapi import OpsApi
         except ModuleNotFoundError:
             return None
         assert self.repo is not None

@@ -126,7 +126,7 @@ def single_instance(state_dir: Path, name: str = "up") -> Iterator[None]:
 class Services:
     """The PostgreSQL and NATS a process uses, embedded ones started on demand.
 
-    An embedded nats-server runs with broker security on (issue 11): the
+    An embedded nats-server runs with broker security on: the
     generated auth-callout config of ``transport.broker_config`` with the keys
     in ``<state dir>/broker``; the control plane on the same state dir must start
     with ``ControlPlaneService(broker_security=True)`` (``broker_security`` below

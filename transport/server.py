@@ -149,7 +149,7 @@ class ControlPlaneLike(Protocol):
 
 
 class OpsHandler(Protocol):
-    """The user API behind the ops subjects (``ops/api.py``). ``handle`` returns
+    """The user API behind the ops subjects (``ops.userapi.OpsApi``). ``handle`` returns
     any msgpack-able value or raises a ``RepositoryError`` (typed reply)."""
 
     async def handle(
@@ -768,8 +768,8 @@ class Server:
         )
 
     async def _open_register_proof(self, host_id: str, m: wire.Register) -> str:
-        """The credential inside a Register proof (issue 11: the credential never
-        crosses the wire). Timestamp window first, then the stored hash (read
+        """The credential inside a Register proof (the credential never crosses
+        the wire). Timestamp window first, then the stored hash (read
         only; an unknown or revoked host is checked against a dummy hash, so it
         costs the same), then the replay check. The repository re-checks the
         recovered credential in constant time in the registering transaction."""

@@ -1,7 +1,7 @@
 """Bulk operator commands: ``cancel --project P [--state S] [--host H]
 [--older-than DURATION]``, the waiting tasks of a project cancelled a batch (one
 transaction) per request, after a confirmation on a terminal (``--yes`` for
-scripts). The single-task commands are in ``user.py``."""
+scripts). The single-task commands are in ``tasks.py``."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def cmd_cancel_many(args: argparse.Namespace) -> int:
         raise CliError("a bulk cancel needs --yes when not run on a terminal", EXIT_USAGE)
 
     from fleetlease.ops.client import OpsClient
-    from fleetlease.ops.commands import user
+    from fleetlease.ops.commands.shared import progress_bar, run
 
     async def body(client: OpsClient) -> None:
         probe = await client.call("cancel_many", **filters, dry_run=True)
@@ -77,7 +77,7 @@ def cmd_cancel_many(args: argparse.Namespace) -> int:
                 print("nothing cancelled", file=sys.stderr)
                 return
         ids: list[str] = []
-        with user._progress(f"cancelling {matched} tasks", matched) as advance:
+        with progress_bar(f"cancelling {matched} tasks", matched) as advance:
             while matched:
                 data = await client.call("cancel_many", **filters, bound=bound)
                 ids.extend(data["ids"])
@@ -89,7 +89,7 @@ def cmd_cancel_many(args: argparse.Namespace) -> int:
         else:
             print(f"cancelled {len(ids)} {what}")
 
-    return user.run(args, body)
+    return run(args, body)
 
 
 def _ask(prompt: str) -> str:

@@ -399,7 +399,7 @@ class LocalSystem:
             await proc.wait()
 
     async def wait_host_live(self) -> dict[str, Any] | None:
-        from fleetlease.ops.api import project_host
+        from fleetlease.ops.userapi import project_host
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + HOST_LIVE_TIMEOUT_S
@@ -419,7 +419,7 @@ class LocalSystem:
         if self.web is None:
             return
         from fleetlease.ops.client import OpsError
-        from fleetlease.ops.web.app import WebSettings
+        from fleetlease.ops.web import WebSettings
         from fleetlease.ops.web.server import parse_listen, start_console
 
         try:

@@ -54,7 +54,7 @@ def register(sub: Any) -> None:
 
 def cmd_web(args: argparse.Namespace) -> int:
     from fleetlease.ops.client import OpsError
-    from fleetlease.ops.web.app import WebSettings
+    from fleetlease.ops.web import WebSettings
     from fleetlease.ops.web.server import parse_listen, start_console
 
     settings = from_args(args).with_context()

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from fleetlease.ops.web.app import Console, WebSettings, create_app
+from fleetlease.ops.web.app import create_app
+from fleetlease.ops.web.console import Console, WebSettings
 
 #: Seconds open connections get to finish when the console stops.
 GRACE_S = 5.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from fleetlease.ops.commands import user as user_commands
+from fleetlease.ops.commands import tasks as task_commands
 from fleetlease.persistence import tables as t
 from fleetlease.persistence.model import TaskKind, TaskSpec
 from tests.integration import test_ops_cli
@@ -30,7 +30,7 @@ async def _queued(system: System, n: int, project: str, owner: str = ADMIN) -> l
 async def test_submit_count_has_a_maximum_that_needs_a_flag_to_pass(
     system: System, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(user_commands, "MAX_SUBMIT_COUNT", 5)
+    monkeypatch.setattr(task_commands, "MAX_SUBMIT_COUNT", 5)
     run = await system.cli("submit", "--goal", "g", "--count", "6", token=system.admin_token)
     assert run.code == 2 and "--allow-large" in run.err, run
     assert await _count(system) == 0

@@ -1,5 +1,5 @@
 """The operator CLI end to end: ``ops.cli.main`` talking over a real NATS to a
-control plane (``ControlPlaneService``, with ``ops/api.py`` behind the ops
+control plane (``ControlPlaneService``, with ``ops/userapi`` behind the ops
 subjects) on a real PostgreSQL. A host is simulated with the signed
 ``HostClient`` so that tasks really run, log, upload and finish.
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from fleetlease.ops.api import EventFeed
 from fleetlease.ops.client import OpsClient, task_events
 from fleetlease.ops.service import ControlPlaneService
+from fleetlease.ops.userapi import EventFeed
 from fleetlease.persistence.errors import Invalid
 from fleetlease.persistence.model import TaskKind, TaskSpec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from fleetlease.ops.commands.user import _LiveTasks
+from fleetlease.ops.commands.watch import _LiveTasks
 
 
 def _title(live: _LiveTasks) -> str:

@@ -1,0 +1,31 @@
+"""The fleet verbs of the user API: ``hosts``, ``devices`` and ``fleet_counts``,
+readable by every user."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleetlease.ops.userapi.args import Args
+from fleetlease.ops.userapi.context import ApiContext
+from fleetlease.ops.userapi.projection import plain, project_device, project_host
+from fleetlease.persistence.model import User
+
+
+class FleetVerbs(ApiContext):
+    """The hosts and devices of the fleet, and their totals."""
+
+    async def hosts(self, user: User, args: Any) -> list[dict[str, Any]]:
+        Args(args, ())
+        return [h for h in map(project_host, await self.repo.list_hosts()) if not h["revoked"]]
+
+    async def devices(self, user: User, args: Any) -> list[dict[str, Any]]:
+        a = Args(args, ("host",))
+        host = a.name("host")
+        return [project_device(d) for d in await self.repo.fleet_devices(host_id=host)]
+
+    async def fleet_counts(self, user: User, args: Any) -> dict[str, Any]:
+        """Totals: devices by state (as the fleet view shows them) and the tasks
+        this user may read by state, however few rows a list shows."""
+        a = Args(args, ("host",))
+        counts: dict[str, Any] = plain(await self.repo.fleet_counts(user, host_id=a.name("host")))
+        return counts
