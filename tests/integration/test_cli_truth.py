@@ -21,6 +21,7 @@ import pytest
 import sqlalchemy as sa
 
 from fleetlease.ops import limits
+from fleetlease.ops.cli import exit_code_for
 from fleetlease.ops.client import OpsClient, OpsError
 from fleetlease.persistence import repository as repository_module
 from fleetlease.persistence import tables as t
@@ -240,7 +241,7 @@ async def test_an_oversized_payload_is_the_same_bad_request_whatever_its_size(
         for size in (limits.MAX_DOC + 1, 3 * 1024 * 1024):
             with pytest.raises(OpsError) as err:
                 await client.call("submit", goal="g", payload={"x": "p" * size})
-            assert (err.value.code, err.value.exit_code, str(err.value)) == (
+            assert (err.value.code, exit_code_for(err.value), str(err.value)) == (
                 "bad_request",
                 2,
                 f"bad request: payload is larger than {limits.MAX_DOC} bytes",
@@ -263,7 +264,11 @@ def _unchecked(client: OpsClient) -> OpsClient:
             return wire.encode(request)
 
     return Unchecked(
-        nats_url=client.nats_url, token=client.token, prefix=client.prefix, nc=client.nc
+        nats_url=client.nats_url,
+        token=client.token,
+        prefix=client.prefix,
+        nc=client.nc,
+        user=client.user,
     )
 
 

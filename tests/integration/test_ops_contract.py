@@ -87,7 +87,7 @@ async def test_every_documented_field_carries_the_submitted_value(
         assert d["task_id"] == (tid if d["device_id"] == a.device_id else None)
 
     data = b"\x89PNG" * 50
-    await host.client.upload_artifact(tid, a.attempt, "screen.png", data)
+    await host.client.upload_artifact(tid, a.attempt, a.lease_token, "screen.png", data)
     await host.finish(a, answer=42)
 
     # --- task show ---------------------------------------------------------------
