@@ -1,21 +1,13 @@
-"""The control plane's NATS side: one connection, subscription (queue group),
-pending limit and worker pool per channel (control, jobs, logs, artifacts, ops),
-so that a stuck log or artifact transfer never delays a heartbeat, a claim or a
-result.
+"""The host verbs (register, heartbeat, reconcile, claim, ack, renew, progress,
+result, cancel_poll, log append, artifact chunk and commit) and the gate every
+host request passes before one of them runs.
 
-Every request goes through the same gate, in this order, and is refused at the
-first check it fails (typed ``Error{code, message}`` reply, nothing read or
-written past that point):
+A host request reaches ``HostHandlers.handle`` once the server has checked its
+reply subject and admitted it (steps 0 of the gate, ``transport/server.py``).
+The rest of the gate, in this order; a request is refused at the first check it
+fails (typed ``Error{code, message}`` reply, nothing read or written past that
+point):
 
-0. the reply subject lies inside the inbox of the principal the subject names
-   (``Subjects.reply_allowed``); otherwise there is no reply at all, only a
-   ``reply_subject_refused`` warning, since the reply subject is the sender's
-   choice and the control plane must never publish elsewhere on its behalf;
-0. then admission, as it is taken off the subscription and before it is decoded
-   (``transport/admission.py``): within the channel's size limit
-   (``bad_request``), its principal's budget of requests, bytes and parked
-   long-polls, and the channel's backlog (``busy``). The subscription never
-   waits for a worker, so nats-server never sees a slow consumer here;
 1. the subject parses as one of ours and names a known verb (``bad_request``);
 2. the bytes decode as exactly one envelope of the verb's message type, within
    the size and field limits, with no NUL characters in text bound for
@@ -31,56 +23,26 @@ written past that point):
    stale in one direction only: towards asking the repository, which refuses).
 
 Only then is the request handed to the actor system (``actors.runtime.ControlPlane``)
-or, for logs and artifacts, to the repository and the JetStream object store.
-
-Artifacts: chunks are staged in a JetStream stream of their own
-(``transport.staging``: one subject per host, attempt, artifact and offset, and
-the limits on it), so any ``fleetlease serve`` process of a queue group can take
-any chunk and any of them can take the commit. A chunk or commit is taken only
-for a lease the host holds now, fenced as a renewal is
-(``Repository.check_holds``); an attempt's staged chunks are purged when it
-ends. The commit reassembles the chunks in offset order, checks size and
-SHA-256, stores the object under a content-addressed name in the object store,
-and only then records it through the repository. A mismatch is a ``conflict``
-and nothing is recorded.
+or, for logs and artifacts, to the repository and ``transport/artifacts.py``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
-import os
-import tempfile
-import threading
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from typing import IO, TYPE_CHECKING, Any, Protocol, cast
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Protocol
 
-import msgpack
-import nats
 import structlog
-from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.js.errors import NotFoundError
 
-from fleetlease.persistence.clock import Clock, SystemClock
-from fleetlease.persistence.errors import (
-    Conflict,
-    Invalid,
-    RepositoryError,
-    Unauthorized,
-    Unavailable,
-)
+from fleetlease.persistence.errors import Unauthorized
 from fleetlease.persistence.model import DeviceSnapshot, JournalEntry, LeaseTimings, Session
 from fleetlease.transport import wire
-from fleetlease.transport.admission import Admission, Budget, host_principal, ops_principal
+from fleetlease.transport.artifacts import Artifacts
 from fleetlease.transport.auth import AuthError, Verifier, session_key
-from fleetlease.transport.broker_auth import ROLE_LIMITS, open_register_proof
-from fleetlease.transport.staging import Staging, StagingLimits
-from fleetlease.transport.subjects import IDENTIFY_VERB, Channel, Subjects, queue_group
+from fleetlease.transport.broker_auth import open_register_proof
+from fleetlease.transport.subjects import Channel, Subjects
 
 if TYPE_CHECKING:
     from fleetlease.persistence.repository import Repository
@@ -103,9 +65,6 @@ HOST_VERBS: dict[tuple[Channel, str], type[wire.Message]] = {
     (Channel.ARTIFACTS, "commit"): wire.ArtifactCommit,
 }
 
-ARTIFACT_BUCKET = "fleetlease-artifacts"
-#: Task states in which an attempt still holds its lease (staging is kept).
-_HELD_STATES = frozenset({"assigned", "dispatched", "running"})
 _INT64_MAX = 2**63 - 1
 #: What an unknown host's register proof is checked against (never matches).
 _DUMMY_HASH = hashlib.sha256(b"fleetlease: no such host").digest()
@@ -148,117 +107,7 @@ class ControlPlaneLike(Protocol):
     def wake_hosts(self, hosts: list[str]) -> None: ...
 
 
-class OpsHandler(Protocol):
-    """The user API behind the ops subjects (``ops/api.py``). ``handle`` returns
-    any msgpack-able value or raises a ``RepositoryError`` (typed reply)."""
-
-    async def handle(
-        self, verb: str, token: str, args: dict[str, Any], *, user: str | None
-    ) -> Any: ...
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChannelConfig:
-    """Limits of one channel. ``long_poll`` (jobs, ops) is a second pool for
-    claims and ops ``events`` polls, which park until something happens: a host
-    fleet long-polling can never take the workers that renewals and results
-    need. A long-poll that finds no slot free is answered at once (no waiting)
-    from the normal pool.
-
-    Admission (``transport/admission.py``): one principal may have at most
-    ``principal_requests`` requests (``principal_bytes`` bytes) of this channel
-    taken and not yet answered, and park at most ``principal_polls`` long-polls;
-    all principals together at most ``pending_msgs`` requests (``pending_bytes``
-    bytes). A request over any of these is answered ``busy`` at once, undecoded.
-    A request over ``max_request_bytes`` is refused (``bad_request``) the same
-    way. ``pending_msgs`` / ``pending_bytes`` are also the nats-py subscription's
-    pending limits: the dispatcher never waits, so that queue only holds what
-    the event loop has not yet looked at."""
-
-    workers: int
-    long_poll: int = 0
-    pending_msgs: int = 65536
-    pending_bytes: int = 64 * 1024 * 1024
-    principal_requests: int = 64
-    principal_bytes: int = 8 * 1024 * 1024
-    principal_polls: int = 16
-    #: A larger request is refused (``bad_request``) undecoded.
-    max_request_bytes: int = wire.MAX_MESSAGE_SIZE
-
-    def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ValueError(f"workers must be at least 1, got {self.workers!r}")
-        if self.long_poll < 0:
-            raise ValueError(f"long_poll must not be negative, got {self.long_poll!r}")
-        self.budget()  # validates the admission bounds
-
-    def budget(self) -> Budget:
-        return Budget(
-            principal_requests=self.principal_requests,
-            principal_bytes=self.principal_bytes,
-            principal_polls=self.principal_polls,
-            backlog_requests=self.pending_msgs,
-            backlog_bytes=self.pending_bytes,
-        )
-
-
-_MIB = 1024 * 1024
-
-DEFAULT_CHANNELS: dict[Channel, ChannelConfig] = {
-    # A host has one heartbeat (register, reconcile) in flight at a time.
-    Channel.CONTROL: ChannelConfig(workers=64, principal_requests=8, principal_bytes=4 * _MIB),
-    # One lease message per device may be in flight (renewals of a full host).
-    Channel.JOBS: ChannelConfig(
-        workers=256,
-        long_poll=4096,
-        principal_requests=wire.MAX_DEVICES,
-        principal_bytes=8 * _MIB,
-        principal_polls=16,
-    ),
-    # Every running attempt of a host may be appending logs (one per device).
-    Channel.LOGS: ChannelConfig(
-        workers=16, principal_requests=wire.MAX_DEVICES, principal_bytes=16 * _MIB
-    ),
-    Channel.ARTIFACTS: ChannelConfig(workers=8, principal_requests=64, principal_bytes=16 * _MIB),
-    # long_poll: the ops `events` long-polls of live views (watch, web console).
-    Channel.OPS: ChannelConfig(
-        workers=64,
-        long_poll=1024,
-        principal_requests=256,
-        principal_bytes=8 * _MIB,
-        principal_polls=16,
-        max_request_bytes=ROLE_LIMITS["user"]["payload"],
-    ),
-}
-
-
-@dataclass
-class _ChannelState:
-    channel: Channel
-    config: ChannelConfig
-    nc: NatsClient | None = None
-    sub: Subscription | None = None
-    sem: asyncio.Semaphore | None = None
-    poll_sem: asyncio.Semaphore | None = None
-    admission: Admission | None = None
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    #: Tests close this gate to stall a channel on purpose.
-    gate: asyncio.Event = field(default_factory=asyncio.Event)
-    received: int = 0
-    handled: int = 0
-    shed: int = 0
-
-
-Handler = Callable[[Msg, bool], Awaitable[bytes]]
-
-
-def _error(code: str, message: str) -> bytes:
-    if code not in wire.ERROR_CODES:
-        code = "internal"
-    return wire.error_reply(code, message[: wire.MAX_TEXT_LEN])
-
-
-def _reject_nul(root: object, name: str) -> None:
+def reject_nul(root: object, name: str) -> None:
     """PostgreSQL text and JSONB cannot hold U+0000: refuse it at the edge
     (``bad_request``) rather than as a driver error deep in a transaction."""
     stack: list[object] = [root]
@@ -278,387 +127,39 @@ def _reject_nul(root: object, name: str) -> None:
 _LEASE_MESSAGES: frozenset[type[wire.Message]] = frozenset({wire.Ack, wire.Renew, wire.CancelPoll})
 
 
-class Server:
-    """Serves one control plane on NATS. Several ``Server`` processes may share one
-    NATS and one PostgreSQL: every subscription is in a queue group and no state a
-    request depends on lives only in one process."""
+class HostHandlers:
+    """Answers the requests of the host channels (control, jobs, logs,
+    artifacts): the gate, then the verb, through the control plane
+    (``ControlPlaneLike``), the repository or the artifacts. Keeps a
+    per-process cache of each host's current session generation.
+    ``stopping()`` says whether the server is stopping (claims then do not
+    wait)."""
 
     def __init__(
         self,
         *,
-        nats_url: str,
         control_plane: ControlPlaneLike,
         repo: Repository,
+        subjects: Subjects,
+        verifier: Verifier,
         server_secret: bytes,
-        subjects: Subjects | None = None,
-        ops: OpsHandler | None = None,
-        timings: LeaseTimings | None = None,
-        heartbeat_s: float = 5.0,
-        channels: Mapping[Channel, ChannelConfig] | None = None,
-        connect_options: dict[str, Any] | None = None,
-        storage_connect_options: dict[str, Any] | None = None,
-        replay_window_s: float | None = None,
-        auth_clock: Clock | None = None,
-        staging: StagingLimits | None = None,
+        timings: LeaseTimings,
+        heartbeat_s: float,
+        artifacts: Artifacts,
+        stopping: Callable[[], bool],
     ) -> None:
-        self.nats_url = nats_url
         self.cp = control_plane
         self.repo = repo
+        self.subjects = subjects
+        self.verifier = verifier
         self._secret = server_secret
-        self.subjects = subjects or Subjects()
-        self.ops = ops
-        self.timings = timings or repo.timings
+        self.timings = timings
         self.heartbeat_s = heartbeat_s
-        verifier_opts: dict[str, Any] = {}
-        if replay_window_s is not None:
-            verifier_opts["window_s"] = replay_window_s
-        # Message freshness is judged by wall time, as hosts sign: the repository's
-        # clock may be a test's ManualClock jumping ahead to expire leases, which
-        # must not make every signature look stale.
-        self.verifier = Verifier(
-            server_secret, auth_clock or SystemClock(), subjects=self.subjects, **verifier_opts
-        )
-        self._connect_options = dict(connect_options or {})
-        # JetStream (staging, object store) goes through a connection of its own
-        # that never answers a client: on a secured broker the serving
-        # connections may publish only replies and the control plane's own
-        # subjects (``transport/broker_config.py``).
-        self._storage_connect_options = dict(
-            self._connect_options if storage_connect_options is None else storage_connect_options
-        )
-        self._storage_nc: NatsClient | None = None
-        cfg = dict(DEFAULT_CHANNELS)
-        cfg.update(channels or {})
-        self._channels = {ch: _ChannelState(ch, cfg[ch]) for ch in Channel}
+        self.artifacts = artifacts
+        self._stopping = stopping
         self._generations: dict[str, int] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: int | None = None
-        self._js_lock = asyncio.Lock()
-        self._object_store: Any = None
-        self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fleetlease-artifact-io")
-        self._events_nc: NatsClient | None = None
-        self._stopping = False
-        self._stopped = False
-        self._started = False
-        prefix_id = self.subjects.prefix.replace(".", "-")
-        self.artifact_bucket = f"{ARTIFACT_BUCKET}-{prefix_id}"
-        self.staging_stream = f"FLEETLEASE_UPLOADS_{prefix_id}"
-        #: Artifact staging and its limits (``transport.staging``).
-        self.staging = Staging(
-            self._js,
-            stream=self.staging_stream,
-            root=f"{self.subjects.prefix}._uploads",
-            limits=staging or StagingLimits(),
-        )
-        self._ended: set[tuple[str, str, int]] = set()
-        self._purging = False
-        #: Cross-process long-poll wakeups (see ``_on_event``).
-        self._wake_subject = f"{self.subjects.prefix}._wake"
-        self._instance = os.urandom(8)
-        self._wake_pending: set[str] = set()
-        self._events_pending: list[Any] = []
-        self._wake_sub: Subscription | None = None
 
-    # --- lifecycle ---------------------------------------------------------------
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
-        handlers: dict[Channel, tuple[str, Handler]] = {
-            Channel.CONTROL: (self.subjects.control_wildcard(), self._host_message),
-            Channel.JOBS: (self.subjects.jobs_wildcard(), self._host_message),
-            Channel.LOGS: (self.subjects.logs_wildcard(), self._host_message),
-            Channel.ARTIFACTS: (self.subjects.artifacts_wildcard(), self._host_message),
-            Channel.OPS: (self.subjects.ops_wildcard(), self._ops_message),
-        }
-        try:
-            for channel, (subject, handler) in handlers.items():
-                state = self._channels[channel]
-                state.gate.set()
-                state.sem = asyncio.Semaphore(state.config.workers)
-                state.admission = Admission(state.config.budget())
-                if state.config.long_poll:
-                    state.poll_sem = asyncio.Semaphore(state.config.long_poll)
-                state.nc = await self._connect(f"fleetlease-server-{channel.value}")
-                state.sub = await state.nc.subscribe(
-                    subject,
-                    queue=queue_group(channel),
-                    cb=self._dispatcher(state, handler),
-                    pending_msgs_limit=state.config.pending_msgs,
-                    pending_bytes_limit=state.config.pending_bytes,
-                )
-            for state in self._channels.values():
-                # The subscriptions are live on the server once this returns.
-                assert state.nc is not None
-                await state.nc.flush()
-            self._storage_nc = await self._connect(
-                "fleetlease-server-storage", self._storage_connect_options
-            )
-            self._events_nc = self._channels[Channel.OPS].nc
-            jobs_nc = self._channels[Channel.JOBS].nc
-            assert jobs_nc is not None
-            # Every process hears every wake notice (no queue group).
-            self._wake_sub = await jobs_nc.subscribe(self._wake_subject, cb=self._on_wake_notice)
-            await jobs_nc.flush()
-            self.cp.add_listener(self._on_event)
-            self.cp.add_listener(self._on_attempt_event)
-        except BaseException:
-            await self.stop(grace_s=0)
-            raise
-        self._started = True
-        log.info("server_started", prefix=self.subjects.prefix)
-
-    async def _connect(self, name: str, options: dict[str, Any] | None = None) -> NatsClient:
-        async def on_error(exc: Exception) -> None:
-            log.warning("nats_error", connection=name, error=str(exc) or type(exc).__name__)
-
-        async def on_disconnect() -> None:
-            log.warning("nats_disconnected", connection=name)
-
-        async def on_reconnect() -> None:
-            log.info("nats_reconnected", connection=name)
-
-        opts: dict[str, Any] = {
-            "name": name,
-            "max_reconnect_attempts": -1,
-            "reconnect_time_wait": 0.5,
-            "connect_timeout": 5,
-            "allow_reconnect": True,
-            "error_cb": on_error,
-            "disconnected_cb": on_disconnect,
-            "reconnected_cb": on_reconnect,
-        }
-        opts.update(self._connect_options if options is None else options)
-        return await nats.connect(self.nats_url, **opts)
-
-    async def drain(self, grace_s: float = 10.0) -> None:
-        """Stop taking new requests: NATS stops routing to this process (the
-        queue group's other members get them) and what already reached it is
-        still dispatched (drain, not unsubscribe: nothing is dropped). Claims
-        from now on do not wait. Idempotent; ``stop`` calls it."""
-        if self._stopping:
-            return
-        self._stopping = True
-        self._events_nc = None
-        for state in self._channels.values():
-            state.gate.set()  # a stalled channel must not hold the shutdown
-        drains = [
-            self._drain(state.sub) for state in self._channels.values() if state.sub is not None
-        ]
-        if drains:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    asyncio.gather(*drains, return_exceptions=True), timeout=max(grace_s, 1.0)
-                )
-
-    async def stop(self, grace_s: float = 10.0) -> None:
-        """``drain``, then let the requests in flight finish and reply (up to
-        ``grace_s``; the control plane's own stop releases parked long-polls),
-        then close the connections. Idempotent."""
-        if self._stopped:
-            return
-        await self.drain(grace_s)
-        self._stopped = True
-        pending = [t for s in self._channels.values() for t in s.tasks]
-        if pending:
-            _done, late = await asyncio.wait(pending, timeout=max(grace_s, 0.0))
-            for t in late:
-                t.cancel()
-            if late:
-                log.warning("server_stop_abandoned", requests=len(late))
-                await asyncio.wait(late, timeout=1.0)
-        for state in self._channels.values():
-            if state.nc is not None:
-                with contextlib.suppress(Exception):
-                    await state.nc.flush(timeout=2)
-                with contextlib.suppress(Exception):
-                    await state.nc.close()
-                state.nc = None
-                state.sub = None
-        if self._storage_nc is not None:
-            with contextlib.suppress(Exception):
-                await self._storage_nc.close()
-            self._storage_nc = None
-        self._io.shutdown(wait=False, cancel_futures=True)
-        if self._started:
-            log.info("server_stopped")
-
-    @staticmethod
-    async def _drain(sub: Subscription) -> None:
-        with contextlib.suppress(Exception):
-            await sub.drain()  # type: ignore[no-untyped-call]
-
-    def stall(self, channel: Channel) -> None:
-        """Hold every request of ``channel`` until ``unstall`` (fault tests). The
-        held requests keep their workers, as a stuck handler would."""
-        self._channels[Channel(channel)].gate.clear()
-
-    def unstall(self, channel: Channel) -> None:
-        self._channels[Channel(channel)].gate.set()
-
-    def handled(self, channel: Channel) -> int:
-        """Requests of ``channel`` answered so far."""
-        return self._channels[Channel(channel)].handled
-
-    def received(self, channel: Channel) -> int:
-        """Requests of ``channel`` taken off NATS so far (answered or not)."""
-        return self._channels[Channel(channel)].received
-
-    def shed(self, channel: Channel) -> int:
-        """Requests of ``channel`` answered ``busy`` without being served."""
-        return self._channels[Channel(channel)].shed
-
-    def in_flight(self, channel: Channel) -> int:
-        return len(self._channels[Channel(channel)].tasks)
-
-    # --- dispatch ----------------------------------------------------------------
-    def _dispatcher(
-        self, state: _ChannelState, handler: Handler
-    ) -> Callable[[Msg], Awaitable[None]]:
-        """The subscription's callback. It never waits: a request is admitted
-        (a task that queues for a worker) or shed (answered ``busy`` at once), so
-        the connection is read as fast as nats-server writes to it."""
-        polls = (".claim", ".events")
-
-        async def on_message(msg: Msg) -> None:
-            assert state.sem is not None and state.admission is not None
-            admission = state.admission
-            state.received += 1
-            size = len(msg.data)
-            principal = self._principal(state.channel, msg)
-            if size > state.config.max_request_bytes:
-                limit = state.config.max_request_bytes
-                reason = f"request of {size} bytes, limit {limit}"
-                self._shed(state, msg, principal, reason, code="bad_request")
-                return
-            refused = admission.admit(principal, size)
-            if refused is not None:
-                self._shed(state, msg, principal, refused)
-                return
-            sem, may_wait, parked = state.sem, False, False
-            poll_sem = state.poll_sem
-            if poll_sem is not None and msg.subject.endswith(polls):
-                if not admission.park(principal):
-                    admission.release(principal, size)
-                    self._shed(
-                        state, msg, principal, "too many long-polls parked by this principal"
-                    )
-                    return
-                parked = True
-                # With no long-poll slot free, answered without waiting from the
-                # normal pool (the client paces itself).
-                if not poll_sem.locked():
-                    await poll_sem.acquire()  # a slot is free: returns at once
-                    sem, may_wait = poll_sem, True
-            task = asyncio.create_task(
-                self._admitted(state, handler, msg, sem, may_wait, principal, size, parked)
-            )
-            state.tasks.add(task)
-            task.add_done_callback(state.tasks.discard)
-
-        return on_message
-
-    def _principal(self, channel: Channel, msg: Msg) -> str:
-        """Who a request is charged to (``transport/admission.py``)."""
-        if channel is Channel.OPS:
-            return ops_principal(self.subjects, msg.subject, msg.reply or "")
-        return host_principal(self.subjects, msg.subject)
-
-    def _shed(
-        self, state: _ChannelState, msg: Msg, principal: str, reason: str, code: str = "busy"
-    ) -> None:
-        state.shed += 1
-        if state.shed & (state.shed - 1) == 0:  # 1st, 2nd, 4th, 8th, ...: logs stay bounded
-            log.warning(
-                "requests_shed",
-                channel=state.channel.value,
-                principal=principal,
-                reason=reason,
-                shed=state.shed,
-            )
-        if msg.reply and self.subjects.reply_allowed(msg.subject, msg.reply):
-            text = f"busy: {reason}; retry later" if code == "busy" else reason
-            _background(_respond(msg, _error(code, text)))
-
-    async def _admitted(
-        self,
-        state: _ChannelState,
-        handler: Handler,
-        msg: Msg,
-        sem: asyncio.Semaphore,
-        may_wait: bool,
-        principal: str,
-        size: int,
-        parked: bool,
-    ) -> None:
-        assert state.admission is not None
-        try:
-            if not may_wait:
-                await sem.acquire()
-            # ``_serve_one`` releases ``sem``.
-            await self._serve_one(state, handler, msg, sem, may_wait)
-        finally:
-            state.admission.release(principal, size)
-            if parked:
-                state.admission.unpark(principal)
-
-    async def _serve_one(
-        self,
-        state: _ChannelState,
-        handler: Handler,
-        msg: Msg,
-        sem: asyncio.Semaphore,
-        may_wait: bool,
-    ) -> None:
-        try:
-            await state.gate.wait()
-            if msg.reply and not self.subjects.reply_allowed(msg.subject, msg.reply):
-                # The reply subject is the sender's choice: answering outside its
-                # own inbox would publish with the control plane's rights.
-                inbox = self.subjects.reply_inbox(msg.subject)
-                log.warning(
-                    "reply_subject_refused",
-                    principal=inbox.principal if inbox else None,
-                    subject=msg.subject,
-                    reply=msg.reply[:256],
-                )
-                return
-            reply = await self._answer(handler, msg, may_wait)
-            state.handled += 1
-            if msg.reply:
-                nc = state.nc
-                if nc is not None and len(reply) > nc.max_payload:
-                    log.error("reply_too_large", subject=msg.subject, size=len(reply))
-                    reply = _error("internal", "reply too large")
-                try:
-                    await msg.respond(reply)
-                except Exception as exc:
-                    log.warning(
-                        "reply_failed", subject=msg.subject, error=str(exc) or type(exc).__name__
-                    )
-        finally:
-            sem.release()
-
-    async def _answer(self, handler: Handler, msg: Msg, may_wait: bool) -> bytes:
-        try:
-            return await handler(msg, may_wait)
-        except (wire.DecodeError, AuthError, RepositoryError) as exc:
-            code = exc.code
-            log.info(
-                "request_refused",
-                subject=msg.subject,
-                code=code,
-                reason=getattr(exc, "reason", None) or type(exc).__name__,
-                error=exc.message,
-            )
-            return _error(code, exc.message)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("handler_failed", subject=msg.subject)
-            return _error("internal", "internal error")
-
-    # --- host messages -----------------------------------------------------------
-    async def _host_message(self, msg: Msg, may_wait: bool) -> bytes:
+    async def handle(self, msg: Msg, may_wait: bool) -> bytes:
         try:
             hs = self.subjects.parse_host_subject(msg.subject)
         except ValueError as exc:
@@ -717,7 +218,7 @@ class Server:
                 raise wire.DecodeError("nul_character", f"{m.TYPE} contains a NUL character")
             return m
         if isinstance(m, wire.ArtifactChunk):
-            _reject_nul([m.name, m.lease_token], m.TYPE)
+            reject_nul([m.name, m.lease_token], m.TYPE)
             return m
         if isinstance(m, wire.Heartbeat):
             seen: set[str] = set()
@@ -727,7 +228,7 @@ class Server:
                         "duplicate", f"devices[{i}].device_id is repeated", field="devices"
                     )
                 seen.add(d.device_id)
-        _reject_nul(m.to_body(), m.TYPE)
+        reject_nul(m.to_body(), m.TYPE)
         return m
 
     async def _check_generation(self, host_id: str, presented: int, *, fresh: bool) -> None:
@@ -805,7 +306,7 @@ class Server:
                     for e in m.entries
                 ],
             )
-            self._purge_staged((e.host_id, e.task_id, e.attempt) for e in report.lost)
+            self.artifacts.purge_staged((e.host_id, e.task_id, e.attempt) for e in report.lost)
             return wire.encode_reply(
                 wire.ReconcileResult(
                     generation=report.generation,
@@ -825,7 +326,7 @@ class Server:
                 )
             )
         if isinstance(m, wire.Claim):
-            wait_s = m.wait_s if may_wait and not self._stopping else 0.0
+            wait_s = m.wait_s if may_wait and not self._stopping() else 0.0
             claimed = await cp.claim(s, wait_s=wait_s, device_ids=list(m.devices))
             if claimed is None:
                 return wire.encode_reply(wire.NoWork())
@@ -896,290 +397,10 @@ class Server:
             await self.repo.append_logs(s, m.task_id, m.attempt, m.first_seq, m.lines)
             return wire.encode_reply(wire.Ok())
         if isinstance(m, wire.ArtifactChunk):
-            await self._artifact_chunk(s, m)
+            await self.artifacts.chunk(s, m)
             return wire.encode_reply(wire.Ok())
         if isinstance(m, wire.ArtifactCommit):
-            with self.staging.host_slot(s.host_id):
-                await self._artifact_commit(s, m)
+            with self.artifacts.staging.host_slot(s.host_id):
+                await self.artifacts.commit(s, m)
             return wire.encode_reply(wire.Ok())
         raise wire.DecodeError("unknown_type", f"unexpected message {m.TYPE}")
-
-    # --- artifacts -------------------------------------------------------------------
-    @staticmethod
-    def object_name(task_id: str, attempt: int, name: str, sha256: str) -> str:
-        """Content-addressed within the attempt: writing it again can only ever
-        write the same bytes, whoever writes it."""
-        return f"{task_id}/{attempt}/{sha256}/{name}"
-
-    async def _js(self) -> Any:
-        nc = self._storage_nc
-        if nc is None:
-            raise Unavailable("the artifact store connection is closed")
-        return nc.jetstream(timeout=10.0)
-
-    async def _store(self) -> Any:
-        if self._object_store is None:
-            js = await self._js()
-            async with self._js_lock:
-                if self._object_store is None:
-                    try:
-                        self._object_store = await js.object_store(self.artifact_bucket)
-                    except NotFoundError:
-                        with contextlib.suppress(Exception):
-                            await js.create_object_store(self.artifact_bucket)
-                        self._object_store = await js.object_store(self.artifact_bucket)
-        return self._object_store
-
-    async def _artifact_chunk(self, s: Session, m: wire.ArtifactChunk) -> None:
-        """Stage one chunk: only for a lease the host holds now (fenced as a
-        renewal, nothing staged otherwise), within the staging limits."""
-        with self.staging.host_slot(s.host_id):
-            await self.repo.check_holds(s, m.task_id, m.attempt, m.lease_token)
-            if not m.data:
-                return  # nothing to stage; an empty artifact is a commit of size 0
-            await self.staging.stage(s.host_id, m.task_id, m.attempt, m.name, m.offset, m.data)
-
-    async def _artifact_commit(self, s: Session, m: wire.ArtifactCommit) -> None:
-        """Reassemble and verify the staged chunks (``conflict`` on any mismatch,
-        nothing recorded, the upload's chunks dropped); record the artifact
-        (fenced: only for a lease the host holds now); then store the object. A
-        failed store leaves a record whose object is missing until the host's
-        retry of the commit (the record is idempotent) stores it."""
-        limit = self.staging.limits.max_artifact_bytes
-        if m.size > limit:
-            raise Invalid(f"artifacts are limited to {limit} bytes", field="size")
-        await self.repo.check_holds(s, m.task_id, m.attempt, m.lease_token)
-        upload = self.staging.artifact_filter(s.host_id, m.task_id, m.attempt, m.name)
-        object_name = self.object_name(m.task_id, m.attempt, m.name, m.sha256)
-        store = await self._store()
-        stored = await self._stored(store, object_name, m.size)
-        fd, path = tempfile.mkstemp(prefix="fleetlease-artifact-")
-        f = os.fdopen(fd, "w+b")
-        try:
-            if not stored:
-                try:
-                    await self._assemble(s, m, f)
-                except Conflict:
-                    await self.staging.purge(upload)
-                    raise
-            await self.repo.record_artifact(
-                s,
-                m.task_id,
-                m.attempt,
-                name=m.name,
-                size=m.size,
-                sha256=m.sha256,
-                object_name=object_name,
-            )
-            if not stored:
-                await store.put(object_name, cast(IO[bytes], f))
-        finally:
-            f.close()
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        log.info(
-            "artifact_committed",
-            host_id=s.host_id,
-            task_id=m.task_id,
-            attempt=m.attempt,
-            name=m.name,
-            size=m.size,
-        )
-        await self.staging.purge(upload)
-
-    @staticmethod
-    async def _stored(store: Any, object_name: str, size: int) -> bool:
-        try:
-            info = await store.get_info(object_name)
-        except NotFoundError:
-            return False
-        return int(info.size or 0) == size
-
-    async def _assemble(self, s: Session, m: wire.ArtifactCommit, f: IO[bytes]) -> None:
-        """The staged chunks from offset 0, in order, into ``f``; ``Conflict``
-        unless they add up to exactly ``m.size`` bytes with digest ``m.sha256``."""
-        loop = asyncio.get_running_loop()
-        digest = hashlib.sha256()
-        offset = 0
-        while offset < m.size:
-            data = await self.staging.chunk(s.host_id, m.task_id, m.attempt, m.name, offset)
-            if not data or offset + len(data) > m.size:
-                raise Conflict(
-                    f"artifact {m.name!r}: chunks do not add up to {m.size} bytes", field="size"
-                )
-            digest.update(data)
-            await loop.run_in_executor(self._io, f.write, data)
-            offset += len(data)
-        if digest.hexdigest() != m.sha256:
-            raise Conflict(
-                f"artifact {m.name!r}: digest does not match the chunks received", field="sha256"
-            )
-        await loop.run_in_executor(self._io, _rewind, f)
-
-    def _on_attempt_event(self, event: Any) -> None:
-        """Listener for the actor system's events (on the loop): an attempt that
-        no longer holds its lease (result, expiry) has its staged chunks purged."""
-        if not isinstance(event, dict):
-            return
-        host, task, attempt = event.get("host_id"), event.get("task_id"), event.get("attempt")
-        if event.get("state") in _HELD_STATES or not isinstance(host, str):
-            return
-        if not isinstance(task, str) or not isinstance(attempt, int) or attempt < 1:
-            return
-        self._purge_staged([(host, task, attempt)])
-
-    def _purge_staged(self, ended: Iterable[tuple[str, str, int]]) -> None:
-        """Purge the staged chunks of these ended (host, task, attempt)s soon:
-        in batches, one purge task at a time (``Staging.purge_attempts``)."""
-        if self._stopping:
-            return
-        self._ended.update(ended)
-        if self._ended and not self._purging:
-            self._purging = True
-            _background(self._purge_ended())
-
-    async def _purge_ended(self) -> None:
-        try:
-            while self._ended and not self._stopped:
-                ended, self._ended = self._ended, set()
-                await self.staging.purge_attempts(ended)
-        finally:
-            self._purging = False
-
-    async def read_artifact(self, object_name: str) -> bytes:
-        store = await self._store()
-        try:
-            result = await store.get(object_name)
-        except NotFoundError:
-            from fleetlease.persistence.errors import NotFound
-
-            raise NotFound(f"artifact object {object_name!r} is missing", field="name") from None
-        return bytes(result.data or b"")
-
-    async def delete_storage(self) -> None:
-        """Remove this prefix's object store bucket and staging stream (tests)."""
-        js = await self._js()
-        with contextlib.suppress(Exception):
-            await js.delete_object_store(self.artifact_bucket)
-        with contextlib.suppress(Exception):
-            await js.delete_stream(self.staging_stream)
-        self._object_store = None
-        self.staging.forget()
-
-    # --- ops and events ---------------------------------------------------------------
-    async def _ops_message(self, msg: Msg, may_wait: bool) -> bytes:
-        try:
-            user, verb = self.subjects.parse_ops_subject(msg.subject)
-        except ValueError as exc:
-            raise wire.DecodeError("bad_subject", str(exc)) from None
-        env = wire.decode(msg.data)
-        if not isinstance(env.msg, wire.OpsRequest):
-            raise wire.DecodeError(
-                "wrong_type", f"ops expects ops_request, got {env.msg.TYPE}", field="t"
-            )
-        if env.msg.verb != verb:
-            raise wire.DecodeError("wrong_verb", "verb does not match the subject", field="verb")
-        if user is None and verb != IDENTIFY_VERB:  # parse_ops_subject guarantees it
-            raise wire.DecodeError("bad_subject", "name the user in the subject")
-        _reject_nul(env.msg.args, "args")
-        if self.ops is None:
-            raise Unavailable("the user API is not served here")
-        args = env.msg.args
-        if verb == "events" and isinstance(args, dict) and (not may_wait or self._stopping):
-            # No long-poll slot (or stopping): answered without waiting.
-            args = {**args, "wait_s": 0.0}
-        # The subject names the user (the broker lets each user publish only its
-        # own); the handler refuses a token that is not that user's.
-        data = await self.ops.handle(verb, env.msg.token, args, user=user)
-        return wire.encode_reply(wire.OpsReply(data=data))
-
-    def _on_event(self, event: Any) -> None:
-        """Listener for the actor system's events; may be called from any thread."""
-        loop = self._loop
-        if loop is None or self._stopping or self._events_nc is None:
-            return
-        events = event if isinstance(event, list) else [event]
-        if threading.get_ident() == self._loop_thread:
-            # Published together at the end of this loop iteration: one task and
-            # one flush for the events of many transitions.
-            if not self._events_pending:
-                loop.call_soon(self._publish_pending)
-            self._events_pending.extend(events)
-        else:
-            with contextlib.suppress(RuntimeError):  # loop closed: shutting down
-                loop.call_soon_threadsafe(self._publish_events, events)
-
-    def _publish_pending(self) -> None:
-        events, self._events_pending = self._events_pending, []
-        self._publish_events(events)
-
-    def _publish_events(self, events: list[Any]) -> None:
-        nc = self._events_nc
-        if nc is None or self._stopping:
-            return
-        subject = self.subjects.events_task()
-        payloads: list[bytes] = []
-        for event in events:
-            try:
-                payloads.append(msgpack.packb(event, default=str, use_bin_type=True))
-            except (TypeError, ValueError):
-                log.warning("event_not_encodable")
-                continue
-            if isinstance(event, dict) and event.get("state") == "assigned":
-                host = event.get("host_id")
-                if isinstance(host, str):
-                    self._wake_elsewhere(host)
-        if payloads:
-            # One task for the batch, not one per event.
-            _background(_publish_all(nc, subject, payloads))
-
-    # A host's long-poll may be parked in another ``fleetlease serve`` process
-    # than the one whose Scheduler made the assignment: tell the others. One
-    # notice per loop iteration, whatever the batch size.
-    def _wake_elsewhere(self, host_id: str) -> None:
-        if not self._wake_pending:
-            asyncio.get_running_loop().call_soon(self._send_wake_notice)
-        self._wake_pending.add(host_id)
-
-    def _send_wake_notice(self) -> None:
-        hosts, self._wake_pending = sorted(self._wake_pending), set()
-        nc = self._channels[Channel.JOBS].nc
-        if not hosts or nc is None or self._stopping:
-            return
-        payload = msgpack.packb({"o": self._instance, "h": hosts}, use_bin_type=True)
-        _background(nc.publish(self._wake_subject, payload))
-
-    async def _on_wake_notice(self, msg: Msg) -> None:
-        try:
-            notice = msgpack.unpackb(msg.data, raw=False)
-            origin, hosts = notice["o"], notice["h"]
-        except Exception:
-            return
-        if origin == self._instance or not isinstance(hosts, list):
-            return
-        self.cp.wake_hosts([h for h in hosts if isinstance(h, str)])
-
-
-async def _respond(msg: Msg, reply: bytes) -> None:
-    with contextlib.suppress(Exception):
-        await msg.respond(reply)
-
-
-async def _publish_all(nc: NatsClient, subject: str, payloads: list[bytes]) -> None:
-    for payload in payloads:
-        await nc.publish(subject, payload)
-
-
-def _background(coro: Awaitable[None]) -> None:
-    task = asyncio.ensure_future(coro)
-    task.add_done_callback(_ignore_result)
-
-
-def _ignore_result(task: asyncio.Future[None]) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-def _rewind(f: IO[bytes]) -> None:
-    f.flush()
-    f.seek(0)
