@@ -59,8 +59,8 @@ _HINTS_PER_POLL = 2
 
 class _Kept:
     """A host's assignments no long-poll was parked to take, in the order they
-    were kept, indexed by device: taking a few costs a few, not the whole list
-    (a thousand kept, every poll walked them all)."""
+    were kept, indexed by device: taking a few costs a few, not a walk of the
+    whole list (which may hold a thousand)."""
 
     __slots__ = ("by_device", "order")
 
@@ -417,8 +417,8 @@ class LongPollBroker:
             known[1].pop(device, None)
 
     async def _claim_pending(self, session: Session, device_ids: Sequence[str]) -> Claimed | None:
-        # The oldest few are enough (reading every pending assignment of a host with
-        # a thousand of them, for each of its polls, saturated the event loop); the
+        # The oldest few are enough: a host may have a thousand pending, and
+        # reading them all for each of its polls would load the event loop. The
         # limit also covers those other polls of this process are claiming.
         read_at, forgets = self._cp.loop.time(), self._forgets
         pending: list[Assignment] = await self._cp._bounded(
@@ -432,8 +432,8 @@ class LongPollBroker:
             key = (a.task_id, a.attempt)
             if key in self._claiming:
                 # Another long-poll of this process is claiming it: concurrent polls
-                # of one host went down the same list in the same order, each losing
-                # every race but the last (with 1,000 pending, past the timeout).
+                # of one host read the same list in the same order, and would each
+                # lose every race but the last.
                 continue
             self._claiming.add(key)
             try:

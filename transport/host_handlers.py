@@ -212,8 +212,8 @@ class HostHandlers:
                 m = replace(m, lines=[line.replace("\x00", "\ufffd") for line in m.lines])
             return m
         if type(m) in _LEASE_MESSAGES:
-            # A canonical UUID, an int and the token: only the token can hold one
-            # (the general walk below re-encoded the message first, for nothing).
+            # A canonical UUID, an int and the token: only the token can hold one,
+            # so the general walk below (which re-encodes the message) is skipped.
             if "\x00" in m.lease_token:  # type: ignore[attr-defined]
                 raise wire.DecodeError("nul_character", f"{m.TYPE} contains a NUL character")
             return m
@@ -269,8 +269,8 @@ class HostHandlers:
         )
 
     async def _open_register_proof(self, host_id: str, m: wire.Register) -> str:
-        """The credential inside a Register proof (issue 11: the credential never
-        crosses the wire). Timestamp window first, then the stored hash (read
+        """The credential inside a Register proof (the credential never crosses
+        the wire). Timestamp window first, then the stored hash (read
         only; an unknown or revoked host is checked against a dummy hash, so it
         costs the same), then the replay check. The repository re-checks the
         recovered credential in constant time in the registering transaction."""
