@@ -61,6 +61,10 @@ class NotDelivered(Unavailable):
     message may be re-sent (to the actor's replacement) as it is."""
 
 
+#: How often a message the Lease actor never handled is re-sent to its replacement.
+REDELIVERIES = 3
+
+
 class Stats:
     """Thread-safe counters (assign calls, restarts, wake-ups, ...)."""
 

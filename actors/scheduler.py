@@ -6,7 +6,7 @@ calls ``repo.assign(limit)`` while it returns a full batch; fairness across
 projects and priority within a project are the repository's ``assign`` (one
 transaction per batch, SKIP LOCKED); through ``Context.assign`` the pass runs
 on the loop and also claims, in the same transaction, the assignments a parked
-long-poll of its host is waiting for (``ControlPlane._assign_pass``). For every
+long-poll of its host is waiting for (``LongPollBroker.assign_pass``). For every
 new assignment it starts a Lease actor through the supervisor, tells the Reaper
 about the claim deadline and hands the unclaimed ones to a long-poll of their
 host, which claims it without a read.
@@ -72,7 +72,7 @@ class SchedulerActor(FleetActor):
     def _started(self, batch: list[Assignment], claimed: frozenset[str]) -> None:
         """Lease actors for the new assignments, and the hosts told. Those
         ``claimed`` at the assignment's commit have their actor, events and
-        answer already (``ControlPlane._assign_pass``)."""
+        answer already (``LongPollBroker.assign_pass``)."""
         self.ctx.stats.incr("assigned", len(batch))
         for a in batch:
             self.ctx.sup.ensure_lease(a)

@@ -60,7 +60,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from fleetlease.persistence import fleet_view
+from fleetlease.persistence import credentials, fleet_view
 from fleetlease.persistence.clock import Clock, SystemClock
 from fleetlease.persistence.driver import DriverConnection
 from fleetlease.persistence.errors import (
@@ -2625,21 +2625,12 @@ class Repository:
 
     async def host_credential_hash(self, host_id: str) -> bytes | None:
         """The stored SHA-256 of the host's credential (None if unknown or revoked),
-        read only: what a register proof is opened with (``transport.server``)."""
+        read only: what a register proof is opened with (``transport.host_handlers``)."""
         if not isinstance(host_id, str):
             raise Invalid("host_id must be a string", field="host_id")
 
         async def run(conn: AsyncConnection, now: datetime) -> bytes | None:
-            row = (
-                await conn.execute(
-                    sa.select(hosts.c.credential_hash, hosts.c.revoked_at).where(
-                        hosts.c.host_id == host_id
-                    )
-                )
-            ).first()
-            if row is None or row.revoked_at is not None:
-                return None
-            return bytes(row.credential_hash)
+            return await credentials.host_hash(conn, host_id)
 
         return await self._tx("host_credential_hash", run)
 

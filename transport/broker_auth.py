@@ -1,6 +1,6 @@
 """Broker-level identities: the NATS auth callout served by the control plane.
 
-Every client of the fleet's NATS connects as itself (issue 11). The nats-server
+Every client of the fleet's NATS connects as itself. The nats-server
 (2.10 or newer) hands each connection attempt to this service as an
 authorization request (a JWT signed by the server, published on
 ``$SYS.REQ.USER.AUTH`` in the ``AUTH`` account); the service checks the
@@ -81,13 +81,13 @@ import nacl.signing
 import nkeys
 import structlog
 
+from fleetlease.persistence.credentials import SqlCredentialStore as SqlCredentialStore
 from fleetlease.persistence.secrets import hash_secret
 from fleetlease.transport.subjects import Subjects, is_valid_token
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsClient
     from nats.aio.msg import Msg
-    from sqlalchemy.ext.asyncio import AsyncEngine
 
 log = structlog.get_logger("fleetlease.broker_auth")
 
@@ -410,36 +410,6 @@ class CredentialStore(Protocol):
     async def host_hash(self, host_id: str) -> bytes | None: ...
 
     async def user_hash(self, user: str) -> bytes | None: ...
-
-
-class SqlCredentialStore:
-    """Reads ``hosts.credential_hash`` / ``users.token_hash`` (read only; the
-    repository stays the only writer)."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
-
-    async def host_hash(self, host_id: str) -> bytes | None:
-        import sqlalchemy as sa
-
-        from fleetlease.persistence.tables import hosts
-
-        query = sa.select(hosts.c.credential_hash).where(
-            hosts.c.host_id == host_id, hosts.c.revoked_at.is_(None)
-        )
-        async with self.engine.connect() as conn:
-            value = (await conn.execute(query)).scalar_one_or_none()
-        return bytes(value) if value is not None else None
-
-    async def user_hash(self, user: str) -> bytes | None:
-        import sqlalchemy as sa
-
-        from fleetlease.persistence.tables import users
-
-        query = sa.select(users.c.token_hash).where(users.c.name == user)
-        async with self.engine.connect() as conn:
-            value = (await conn.execute(query)).scalar_one_or_none()
-        return bytes(value) if value is not None else None
 
 
 # -- the service ------------------------------------------------------------------------------

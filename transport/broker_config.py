@@ -1,4 +1,4 @@
-"""The nats-server configuration of a secured fleet (issue 11).
+"""The nats-server configuration of a secured fleet.
 
 Secure mode (nats-server 2.10 or newer, the default of ``fleetlease up``)::
 
@@ -355,18 +355,9 @@ system_account: {SYS_ACCOUNT}
 
 async def load_fallback_principals(engine: Any) -> list[FallbackPrincipal]:
     """Every unrevoked host and every user, from PostgreSQL."""
-    import sqlalchemy as sa
+    from fleetlease.persistence.credentials import principals
 
-    from fleetlease.persistence.tables import hosts, users
-
-    async with engine.connect() as conn:
-        host_rows = await conn.execute(
-            sa.select(hosts.c.host_id, hosts.c.credential_hash).where(hosts.c.revoked_at.is_(None))
-        )
-        out = [FallbackPrincipal("host", h, bytes(c)) for h, c in host_rows]
-        user_rows = await conn.execute(sa.select(users.c.name, users.c.token_hash))
-        out += [FallbackPrincipal("user", u, bytes(t)) for u, t in user_rows]
-    return out
+    return [FallbackPrincipal(kind, name, h) for kind, name, h in await principals(engine)]
 
 
 def reload_server(pid: int | None = None, *, binary: str | None = None) -> None:

@@ -197,7 +197,7 @@ class HostClient:
 
     async def register(self, agent_version: str = "") -> wire.RegisterOk:
         subject = self.subjects.register(self.host_id)
-        # A proof of possession, never the credential itself (issue 11).
+        # A proof of possession, never the credential itself.
         ts_ms = int(time.time() * 1000)
         nonce = secrets.token_bytes(wire.NONCE_LEN)
         msg = wire.Register(

@@ -78,7 +78,7 @@ async def _parked(cp: ControlPlane, host_id: str, n: int = 1) -> None:
     """Until ``n`` claims of the host are parked (an assignment pass may take
     them as claimers)."""
     await wait_until(
-        lambda: sum(w.parked for w in cp._waiters.get(host_id, {}).values()) >= n,
+        lambda: sum(w.parked for w in cp.longpoll._waiters.get(host_id, {}).values()) >= n,
         what=f"{n} claim(s) of {host_id} to park",
     )
 
@@ -195,7 +195,7 @@ async def test_a_waiting_claim_is_woken_by_a_new_assignment(
 ) -> None:
     host = await SimHost.create(cp, repo, "h1")
     waiting = asyncio.create_task(host.claim(wait_s=60))
-    await wait_until(lambda: "h1" in cp._waiters, what="the claim to wait")
+    await wait_until(lambda: "h1" in cp.longpoll._waiters, what="the claim to wait")
     assert not waiting.done()
     task_id = await cp.submit(spec())
     claimed = await asyncio.wait_for(waiting, 30)
@@ -469,18 +469,18 @@ async def test_many_assignments_at_once_are_not_passed_from_poll_to_poll(
     host = await SimHost.create(cp, cp.repo, "h1", n_devices=n)
     polls = [asyncio.create_task(host.claim(wait_s=60)) for _ in range(2)]
     await wait_until(
-        lambda: _reads(cp) == 2 and len(cp._waiters.get("h1", {})) == 2,
+        lambda: _reads(cp) == 2 and len(cp.longpoll._waiters.get("h1", {})) == 2,
         what="both polls to park",
     )
     hands = 0
-    hand = cp._hand
+    hand = cp.longpoll._hand
 
     def counting_hand(a: Any) -> None:
         nonlocal hands
         hands += 1
         hand(a)
 
-    monkeypatch.setattr(cp, "_hand", counting_hand)
+    monkeypatch.setattr(cp.longpoll, "_hand", counting_hand)
     ids = set(await cp.submit_many([spec() for _ in range(n)]))
 
     async def all_assigned() -> bool:
@@ -496,7 +496,7 @@ async def test_many_assignments_at_once_are_not_passed_from_poll_to_poll(
     assert claimed == ids
     assert _reads(cp) == 2  # every one came through the hand-off
     assert hands <= 2 * n
-    assert not cp._unhanded.get("h1")
+    assert not cp.longpoll._unhanded.get("h1")
 
 
 async def test_an_assignment_this_process_never_handed_is_found_once_the_empty_read_expires(
@@ -512,7 +512,7 @@ async def test_an_assignment_this_process_never_handed_is_found_once_the_empty_r
         assert await host.claim(wait_s=0.01, device_ids=host.devices) is None
         assert repo.pending_reads == 1
         waiting = asyncio.create_task(host.claim(wait_s=60, device_ids=host.devices))
-        await wait_until(lambda: "h1" in cp._waiters, what="the claim to park")
+        await wait_until(lambda: "h1" in cp.longpoll._waiters, what="the claim to park")
         assert repo.pending_reads == 1  # parked on the empty read, for a while
         task_id = await repo.submit(spec())
         assert [a.task_id for a in await repo.assign()] == [task_id]
@@ -528,7 +528,7 @@ async def test_a_claim_with_nothing_to_do_returns_none_when_its_wait_ends(
 ) -> None:
     host = await SimHost.create(cp, repo, "h1")
     assert await host.claim(wait_s=0.05) is None
-    assert "h1" not in cp._waiters
+    assert "h1" not in cp.longpoll._waiters
 
 
 async def test_a_claim_only_takes_assignments_on_the_devices_it_names(
@@ -1145,7 +1145,7 @@ async def test_a_restarted_control_plane_rebuilds_lease_actors_from_the_database
 async def test_stop_is_graceful_and_refuses_new_work(cp: ControlPlane, repo: Repository) -> None:
     host = await SimHost.create(cp, repo, "h1")
     waiting = asyncio.create_task(host.claim(wait_s=60))
-    await wait_until(lambda: "h1" in cp._waiters)
+    await wait_until(lambda: "h1" in cp.longpoll._waiters)
     await cp.stop()
     assert await asyncio.wait_for(waiting, 10) is None
     with pytest.raises(Unavailable):

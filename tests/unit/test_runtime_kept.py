@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fleetlease.actors.runtime import _Kept
+from fleetlease.actors.longpoll import _Kept
 from fleetlease.persistence.model import Assignment
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

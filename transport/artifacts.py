@@ -1,0 +1,256 @@
+"""Host artifacts: staged chunks, the commit that assembles and verifies them,
+and the JetStream object store they end in.
+
+Chunks are staged in a JetStream stream of their own
+(``transport.staging``: one subject per host, attempt, artifact and offset, and
+the limits on it), so any ``fleetlease serve`` process of a queue group can take
+any chunk and any of them can take the commit. A chunk or commit is taken only
+for a lease the host holds now, fenced as a renewal is
+(``Repository.check_holds``); an attempt's staged chunks are purged when it
+ends. The commit reassembles the chunks in offset order, checks size and
+SHA-256, stores the object under a content-addressed name in the object store,
+and only then records it through the repository. A mismatch is a ``conflict``
+and nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, TYPE_CHECKING, Any, cast
+
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.js.errors import NotFoundError
+
+from fleetlease.persistence.errors import Conflict, Invalid, NotFound, Unavailable
+from fleetlease.persistence.model import Session
+from fleetlease.transport import wire
+from fleetlease.transport.background import background
+from fleetlease.transport.staging import Staging, StagingLimits
+
+if TYPE_CHECKING:
+    from fleetlease.persistence.repository import Repository
+
+log = structlog.get_logger("fleetlease.server")
+
+ARTIFACT_BUCKET = "fleetlease-artifacts"
+#: Task states in which an attempt still holds its lease (staging is kept).
+_HELD_STATES = frozenset({"assigned", "dispatched", "running"})
+
+
+def artifact_object_name(task_id: str, attempt: int, name: str, sha256: str) -> str:
+    """Content-addressed within the attempt: writing it again can only ever
+    write the same bytes, whoever writes it."""
+    return f"{task_id}/{attempt}/{sha256}/{name}"
+
+
+class Artifacts:
+    """The artifacts of one ``Server``: staging (``transport.staging``), commit,
+    object store, and the purge of an ended attempt's staged chunks. JetStream is
+    reached through ``storage()``, the server's storage connection (None once
+    closed)."""
+
+    def __init__(
+        self,
+        *,
+        repo: Repository,
+        prefix: str,
+        storage: Callable[[], NatsClient | None],
+        limits: StagingLimits | None = None,
+    ) -> None:
+        self.repo = repo
+        self._storage = storage
+        self._js_lock = asyncio.Lock()
+        self._object_store: Any = None
+        self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fleetlease-artifact-io")
+        prefix_id = prefix.replace(".", "-")
+        self.artifact_bucket = f"{ARTIFACT_BUCKET}-{prefix_id}"
+        self.staging_stream = f"FLEETLEASE_UPLOADS_{prefix_id}"
+        #: Artifact staging and its limits (``transport.staging``).
+        self.staging = Staging(
+            self._js,
+            stream=self.staging_stream,
+            root=f"{prefix}._uploads",
+            limits=limits or StagingLimits(),
+        )
+        self._ended: set[tuple[str, str, int]] = set()
+        self._purging = False
+        self._stopping = False
+        self._stopped = False
+
+    def stop_purging(self) -> None:
+        """No new purges (the server is draining)."""
+        self._stopping = True
+
+    def stop(self) -> None:
+        """The purge running stops after its current batch."""
+        self._stopping = True
+        self._stopped = True
+
+    def close(self) -> None:
+        """Release the file-writing threads (the server has stopped)."""
+        self._io.shutdown(wait=False, cancel_futures=True)
+
+    async def _js(self) -> Any:
+        nc = self._storage()
+        if nc is None:
+            raise Unavailable("the artifact store connection is closed")
+        return nc.jetstream(timeout=10.0)
+
+    async def _store(self) -> Any:
+        if self._object_store is None:
+            js = await self._js()
+            async with self._js_lock:
+                if self._object_store is None:
+                    try:
+                        self._object_store = await js.object_store(self.artifact_bucket)
+                    except NotFoundError:
+                        with contextlib.suppress(Exception):
+                            await js.create_object_store(self.artifact_bucket)
+                        self._object_store = await js.object_store(self.artifact_bucket)
+        return self._object_store
+
+    async def chunk(self, s: Session, m: wire.ArtifactChunk) -> None:
+        """Stage one chunk: only for a lease the host holds now (fenced as a
+        renewal, nothing staged otherwise), within the staging limits."""
+        with self.staging.host_slot(s.host_id):
+            await self.repo.check_holds(s, m.task_id, m.attempt, m.lease_token)
+            if not m.data:
+                return  # nothing to stage; an empty artifact is a commit of size 0
+            await self.staging.stage(s.host_id, m.task_id, m.attempt, m.name, m.offset, m.data)
+
+    async def commit(self, s: Session, m: wire.ArtifactCommit) -> None:
+        """Reassemble and verify the staged chunks (``conflict`` on any mismatch,
+        nothing recorded, the upload's chunks dropped); record the artifact
+        (fenced: only for a lease the host holds now); then store the object. A
+        failed store leaves a record whose object is missing until the host's
+        retry of the commit (the record is idempotent) stores it."""
+        limit = self.staging.limits.max_artifact_bytes
+        if m.size > limit:
+            raise Invalid(f"artifacts are limited to {limit} bytes", field="size")
+        await self.repo.check_holds(s, m.task_id, m.attempt, m.lease_token)
+        upload = self.staging.artifact_filter(s.host_id, m.task_id, m.attempt, m.name)
+        object_name = artifact_object_name(m.task_id, m.attempt, m.name, m.sha256)
+        store = await self._store()
+        stored = await self._stored(store, object_name, m.size)
+        fd, path = tempfile.mkstemp(prefix="fleetlease-artifact-")
+        f = os.fdopen(fd, "w+b")
+        try:
+            if not stored:
+                try:
+                    await self._assemble(s, m, f)
+                except Conflict:
+                    await self.staging.purge(upload)
+                    raise
+            await self.repo.record_artifact(
+                s,
+                m.task_id,
+                m.attempt,
+                name=m.name,
+                size=m.size,
+                sha256=m.sha256,
+                object_name=object_name,
+            )
+            if not stored:
+                await store.put(object_name, cast(IO[bytes], f))
+        finally:
+            f.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        log.info(
+            "artifact_committed",
+            host_id=s.host_id,
+            task_id=m.task_id,
+            attempt=m.attempt,
+            name=m.name,
+            size=m.size,
+        )
+        await self.staging.purge(upload)
+
+    @staticmethod
+    async def _stored(store: Any, object_name: str, size: int) -> bool:
+        try:
+            info = await store.get_info(object_name)
+        except NotFoundError:
+            return False
+        return int(info.size or 0) == size
+
+    async def _assemble(self, s: Session, m: wire.ArtifactCommit, f: IO[bytes]) -> None:
+        """The staged chunks from offset 0, in order, into ``f``; ``Conflict``
+        unless they add up to exactly ``m.size`` bytes with digest ``m.sha256``."""
+        loop = asyncio.get_running_loop()
+        digest = hashlib.sha256()
+        offset = 0
+        while offset < m.size:
+            data = await self.staging.chunk(s.host_id, m.task_id, m.attempt, m.name, offset)
+            if not data or offset + len(data) > m.size:
+                raise Conflict(
+                    f"artifact {m.name!r}: chunks do not add up to {m.size} bytes", field="size"
+                )
+            digest.update(data)
+            await loop.run_in_executor(self._io, f.write, data)
+            offset += len(data)
+        if digest.hexdigest() != m.sha256:
+            raise Conflict(
+                f"artifact {m.name!r}: digest does not match the chunks received", field="sha256"
+            )
+        await loop.run_in_executor(self._io, _rewind, f)
+
+    def on_attempt_event(self, event: Any) -> None:
+        """Listener for the actor system's events (on the loop): an attempt that
+        no longer holds its lease (result, expiry) has its staged chunks purged."""
+        if not isinstance(event, dict):
+            return
+        host, task, attempt = event.get("host_id"), event.get("task_id"), event.get("attempt")
+        if event.get("state") in _HELD_STATES or not isinstance(host, str):
+            return
+        if not isinstance(task, str) or not isinstance(attempt, int) or attempt < 1:
+            return
+        self.purge_staged([(host, task, attempt)])
+
+    def purge_staged(self, ended: Iterable[tuple[str, str, int]]) -> None:
+        """Purge the staged chunks of these ended (host, task, attempt)s soon:
+        in batches, one purge task at a time (``Staging.purge_attempts``)."""
+        if self._stopping:
+            return
+        self._ended.update(ended)
+        if self._ended and not self._purging:
+            self._purging = True
+            background(self._purge_ended())
+
+    async def _purge_ended(self) -> None:
+        try:
+            while self._ended and not self._stopped:
+                ended, self._ended = self._ended, set()
+                await self.staging.purge_attempts(ended)
+        finally:
+            self._purging = False
+
+    async def read_artifact(self, object_name: str) -> bytes:
+        store = await self._store()
+        try:
+            result = await store.get(object_name)
+        except NotFoundError:
+            raise NotFound(f"artifact object {object_name!r} is missing", field="name") from None
+        return bytes(result.data or b"")
+
+    async def delete_storage(self) -> None:
+        """Remove this prefix's object store bucket and staging stream (tests)."""
+        js = await self._js()
+        with contextlib.suppress(Exception):
+            await js.delete_object_store(self.artifact_bucket)
+        with contextlib.suppress(Exception):
+            await js.delete_stream(self.staging_stream)
+        self._object_store = None
+        self.staging.forget()
+
+
+def _rewind(f: IO[bytes]) -> None:
+    f.flush()
+    f.seek(0)
