@@ -98,25 +98,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import math
 import os
 import random
-import re
 import signal
 import threading
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import structlog
-from nats.errors import AuthorizationError as NatsAuthorizationError
 from nats.errors import Error as NatsError
 
+from fleetlease.hostagent.config import (
+    AGENT_VERSION,
+    FAILPOINT_AFTER_ACK,
+    FAILPOINT_AFTER_JOURNAL_ADD,
+    FAILPOINT_AFTER_RESULT_RECORDED,
+    FAILPOINT_AFTER_RESULT_REPORTED,
+    FAILPOINTS,
+    FAILPOINTS_ENV,
+    AgentConfig,
+    load_credential,
+    parse_failpoints,
+)
 from fleetlease.hostagent.devices import DeviceManager, UnknownDevice
+from fleetlease.hostagent.errors import (
+    AgentError,
+    BrokerRefused,
+    RegistrationRefused,
+    _Aborted,
+    is_authorization_refusal,
+)
 from fleetlease.hostagent.journal import (
     EntryState,
     Journal,
@@ -124,13 +138,13 @@ from fleetlease.hostagent.journal import (
     JournalRecord,
     JournalThread,
 )
+from fleetlease.hostagent.retry import Backoff, DropOldestQueue
 from fleetlease.hostagent.runners import RunContext, RunnerFactory, RunOutcome, guard, load_runners
 from fleetlease.hostagent.runners.base import GuardedRunner
 from fleetlease.persistence.model import Outcome, TaskKind
 from fleetlease.transport import wire
 from fleetlease.transport.broker_auth import host_connect_options
 from fleetlease.transport.client import HostClient
-from fleetlease.transport.subjects import validate_token
 from fleetlease.transport.wire import RemoteError
 
 __all__ = [
@@ -146,30 +160,13 @@ __all__ = [
     "BrokerRefused",
     "DropOldestQueue",
     "RegistrationRefused",
+    "load_credential",
     "parse_failpoints",
 ]
 
 log = structlog.get_logger("fleetlease.agent")
 
 T = TypeVar("T")
-Q = TypeVar("Q")
-
-AGENT_VERSION = "fleetlease-agent/0.1.0"
-
-FAILPOINTS_ENV = "FLEETLEASE_AGENT_FAILPOINTS"
-#: Points where a test can make the agent kill itself (SIGKILL).
-FAILPOINT_AFTER_JOURNAL_ADD = "after_journal_add"
-FAILPOINT_AFTER_ACK = "after_ack"
-FAILPOINT_AFTER_RESULT_RECORDED = "after_result_recorded"
-FAILPOINT_AFTER_RESULT_REPORTED = "after_result_reported"
-FAILPOINTS: frozenset[str] = frozenset(
-    {
-        FAILPOINT_AFTER_JOURNAL_ADD,
-        FAILPOINT_AFTER_ACK,
-        FAILPOINT_AFTER_RESULT_RECORDED,
-        FAILPOINT_AFTER_RESULT_REPORTED,
-    }
-)
 
 HANDBACK_REASON = "handed back: agent shutting down"
 
@@ -180,7 +177,6 @@ _REFUSED_CODES = frozenset({"unauthorized", "forbidden", "bad_request", "not_fou
 #: How many times one request is retried on a fresh session after "unauthorized".
 _MAX_SESSION_RETRIES = 3
 
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 _MAX_REASON = 1000
 _MAX_PROGRESS = 1000
 _LOG_LINE_MAX_BYTES = wire.MAX_LOG_LINE_BYTES
@@ -188,308 +184,6 @@ _LOG_BATCH_BYTES = 256 * 1024
 _SIDE_CHANNEL_ATTEMPTS = 5
 #: Side-channel refusals that a later retry may get past (staging quotas).
 _SIDE_RETRY_CODES = frozenset({"busy", "quota"})
-
-
-# -- errors -----------------------------------------------------------------------------
-
-
-class AgentError(Exception):
-    """The agent cannot continue."""
-
-    code = "internal"
-
-    def __init__(self, message: str | None = None) -> None:
-        self.message = message or (self.__doc__ or "agent error").strip()
-        super().__init__(self.message)
-
-
-class RegistrationRefused(AgentError):
-    """The control plane refused this host's credential."""
-
-    def __init__(self, host_id: str, code: str, detail: str) -> None:
-        self.host_id = host_id
-        self.remote_code = code
-        super().__init__(
-            f"registration of host {host_id!r} refused by the control plane ({code}: {detail}); "
-            "check --host-id and --token-file (the credential must be the one issued for "
-            "this host by `fleetlease host add`)"
-        )
-        # Exit code mapping of the CLI: unauthorized/forbidden -> 3.
-        self.code = "forbidden" if code == "forbidden" else "unauthorized"
-
-
-class BrokerRefused(AgentError):
-    """The NATS server keeps refusing this host's authorization."""
-
-    code = "unauthorized"
-
-    def __init__(self, host_id: str, detail: str, refused_for_s: float) -> None:
-        self.host_id = host_id
-        self.refused_for_s = refused_for_s
-        super().__init__(
-            f"the NATS server refuses host {host_id!r} ({detail.strip()}, for "
-            f"{refused_for_s:.0f}s): the host was revoked or is unknown to the control "
-            "plane, or --token-file is not its credential"
-        )
-
-
-def is_authorization_refusal(exc: BaseException) -> bool:
-    """Whether a nats-py error means the server refused the connect's
-    authorization (not a network error)."""
-    if isinstance(exc, NatsAuthorizationError):
-        return True
-    return isinstance(exc, NatsError) and "authorization violation" in str(exc).lower()
-
-
-class _Aborted(Exception):
-    """An attempt's wait was cut short because its lease was lost."""
-
-
-# -- configuration ----------------------------------------------------------------------
-
-
-def parse_failpoints(text: str | None) -> frozenset[str]:
-    """Failpoint names from ``FLEETLEASE_AGENT_FAILPOINTS``; ValueError for an
-    unknown one."""
-    names = frozenset(n.strip() for n in (text or "").split(",") if n.strip())
-    unknown = names - FAILPOINTS
-    if unknown:
-        raise ValueError(
-            f"{FAILPOINTS_ENV}: unknown failpoint(s) {sorted(unknown)}, known: {sorted(FAILPOINTS)}"
-        )
-    return names
-
-
-def _positive(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-
-
-def _non_negative(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class AgentConfig:
-    """Everything the agent needs besides its devices. Times are seconds."""
-
-    host_id: str
-    credential: str = field(repr=False)
-    nats_url: str
-    state_dir: Path
-    prefix: str = "fleetlease"
-    #: Runner names (entry points of ``fleetlease.runners``) per task kind.
-    goal_runner: str = "sim-goal"
-    workflow_runner: str = "sim-workflow"
-    #: Long-poll duration of one claim (the control plane caps it at 60 s).
-    claim_wait_s: float = 20.0
-    #: An empty claim answered faster than this is paced (no busy loop).
-    min_poll_interval_s: float = 1.0
-    #: The idle devices are split between up to this many claims outstanding at
-    #: once (more when freed devices trickle in: each new claim covers the idle
-    #: devices no claim covers, at most a ``claim_polls``-th of all of them), so
-    #: the claims of several tasks reaching one host together run side by side
-    #: instead of one after another.
-    claim_polls: int = 4
-    request_timeout_s: float = 10.0
-    backoff_base_s: float = 0.2
-    backoff_cap_s: float = 15.0
-    #: Random delay before re-registering after a reconnect (spreads a herd).
-    resync_jitter_s: float = 2.0
-    #: Override of the heartbeat period given by the control plane.
-    heartbeat_s: float | None = None
-    #: SIGTERM: time running attempts get to finish before being handed back.
-    grace_s: float = 10.0
-    #: Time a runner may ignore ``ctx.cancelled`` before it is cancelled outright.
-    cancel_timeout_s: float = 5.0
-    #: Shutdown: time to deliver the reports of handed-back attempts.
-    handback_timeout_s: float = 5.0
-    #: Shutdown: time to flush queued logs and artifacts.
-    flush_timeout_s: float = 2.0
-    #: Before reporting a result, time to ship the attempt's queued artifacts
-    #: (the control plane takes them only while the lease is held).
-    artifact_flush_s: float = 60.0
-    log_queue_lines: int = 10_000
-    artifact_queue_items: int = 32
-    artifact_queue_bytes: int = 64 * 1024 * 1024
-    #: A journal entry resumed this many times after agent restarts is not run
-    #: again: it is reported as a retryable failure (a poison attempt).
-    max_resumes: int = 2
-    #: Exit (``BrokerRefused``) once the NATS server has refused the host's
-    #: authorization for this long with no successful connect in between.
-    broker_refused_s: float = 15.0
-    failpoints: frozenset[str] = frozenset()
-    connect_options: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        validate_token(self.host_id, "host_id")
-        if not isinstance(self.credential, str) or _HEX64.fullmatch(self.credential) is None:
-            # Never echo the value: it is a secret, even when malformed.
-            raise ValueError("credential must be 64 lowercase hex characters")
-        if not self.nats_url:
-            raise ValueError("nats_url must be non-empty")
-        if not self.goal_runner or not self.workflow_runner:
-            raise ValueError("goal_runner and workflow_runner must be non-empty")
-        _positive("claim_wait_s", self.claim_wait_s)
-        if isinstance(self.claim_polls, bool) or not isinstance(self.claim_polls, int):
-            raise ValueError(f"claim_polls must be an integer, got {self.claim_polls!r}")
-        if self.claim_polls < 1:
-            raise ValueError(f"claim_polls must be >= 1, got {self.claim_polls}")
-        if self.claim_wait_s > wire.MAX_WAIT_S:
-            raise ValueError(f"claim_wait_s must be <= {wire.MAX_WAIT_S}, got {self.claim_wait_s}")
-        for name in (
-            "request_timeout_s",
-            "backoff_base_s",
-            "backoff_cap_s",
-            "cancel_timeout_s",
-        ):
-            _positive(name, getattr(self, name))
-        for name in (
-            "min_poll_interval_s",
-            "resync_jitter_s",
-            "grace_s",
-            "handback_timeout_s",
-            "flush_timeout_s",
-            "artifact_flush_s",
-            "broker_refused_s",
-        ):
-            _non_negative(name, getattr(self, name))
-        if self.heartbeat_s is not None:
-            _positive("heartbeat_s", self.heartbeat_s)
-        if (
-            isinstance(self.max_resumes, bool)
-            or not isinstance(self.max_resumes, int)
-            or self.max_resumes < 0
-        ):
-            raise ValueError(f"max_resumes must be an int >= 0, got {self.max_resumes!r}")
-        for name in ("log_queue_lines", "artifact_queue_items", "artifact_queue_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        unknown = set(self.failpoints) - FAILPOINTS
-        if unknown:
-            raise ValueError(f"failpoints: unknown {sorted(unknown)}")
-
-
-# -- building blocks --------------------------------------------------------------------
-
-
-class Backoff:
-    """Capped exponential backoff with jitter: the n-th consecutive failure waits
-    a random time in ``[c/2, c]`` with ``c = min(cap, base * 2**n)``. Never zero,
-    so a failing loop cannot spin; the jitter spreads many agents apart."""
-
-    def __init__(self, base_s: float, cap_s: float, *, rng: random.Random | None = None) -> None:
-        _positive("base_s", base_s)
-        _positive("cap_s", cap_s)
-        if cap_s < base_s:
-            raise ValueError(f"cap_s must be >= base_s, got {cap_s} < {base_s}")
-        self.base_s = base_s
-        self.cap_s = cap_s
-        self._rng = rng or random.Random()
-        self.failures = 0
-
-    def next_delay(self) -> float:
-        ceiling = min(self.cap_s, self.base_s * 2 ** min(self.failures, 62))
-        self.failures += 1
-        return float(ceiling / 2 + self._rng.random() * ceiling / 2)
-
-    def reset(self) -> None:
-        self.failures = 0
-
-
-class DropOldestQueue(Generic[Q]):
-    """A bounded FIFO that never blocks its producer: putting into a full queue
-    drops the *oldest* items (counted in ``dropped``). Bounded by item count and,
-    with ``cost``, by the total cost of its items (e.g. bytes). An item costing
-    more than ``max_cost`` on its own is dropped at once.
-
-    Loop-affine: use it from one event loop thread (the agent forwards calls
-    made on other threads with ``call_soon_threadsafe``)."""
-
-    def __init__(
-        self,
-        max_items: int,
-        *,
-        cost: Callable[[Q], int] | None = None,
-        max_cost: int | None = None,
-    ) -> None:
-        if max_items < 1:
-            raise ValueError(f"max_items must be >= 1, got {max_items}")
-        if (cost is None) != (max_cost is None):
-            raise ValueError("cost and max_cost go together")
-        self.max_items = max_items
-        self._cost = cost
-        self.max_cost = max_cost
-        self._items: deque[Q] = deque()
-        self._total = 0
-        self._nonempty = asyncio.Event()
-        self.dropped = 0
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    @property
-    def total_cost(self) -> int:
-        return self._total
-
-    def put(self, item: Q) -> int:
-        """Append ``item``; returns how many items were dropped to make room."""
-        cost = self._cost(item) if self._cost is not None else 0
-        if self.max_cost is not None and cost > self.max_cost:
-            self.dropped += 1
-            return 1
-        self._items.append(item)
-        self._total += cost
-        dropped = 0
-        while len(self._items) > self.max_items or (
-            self.max_cost is not None and self._total > self.max_cost
-        ):
-            self._drop_left()
-            dropped += 1
-        self.dropped += dropped
-        self._nonempty.set()
-        return dropped
-
-    def _drop_left(self) -> Q:
-        item = self._items.popleft()
-        if self._cost is not None:
-            self._total -= self._cost(item)
-        if not self._items:
-            self._nonempty.clear()
-        return item
-
-    def popleft(self) -> Q:
-        """Remove and return the oldest item (IndexError when empty)."""
-        return self._drop_left()
-
-    def peek(self) -> Q:
-        return self._items[0]
-
-    def __iter__(self) -> Iterator[Q]:
-        return iter(self._items)
-
-    async def wait(self) -> None:
-        """Return once the queue is not empty."""
-        while not self._items:
-            self._nonempty.clear()
-            await self._nonempty.wait()
-
-    def pop_batch(self, key: Callable[[Q], Hashable], *, max_items: int) -> list[Q]:
-        """Pop the longest run (at most ``max_items``) of leading items sharing
-        the first item's ``key``."""
-        if not self._items:
-            return []
-        first = key(self._items[0])
-        batch: list[Q] = []
-        while self._items and len(batch) < max_items and key(self._items[0]) == first:
-            batch.append(self._drop_left())
-        return batch
 
 
 @dataclass
@@ -2046,12 +1740,3 @@ class Agent:
             logs_dropped=self._logs.dropped,
             artifacts_dropped=self._artifacts.dropped,
         )
-
-
-def load_credential(path: str | os.PathLike[str]) -> str:
-    """The host credential from ``path`` (surrounding whitespace ignored).
-    ValueError without echoing the content when it is not 64 hex characters."""
-    text = Path(path).read_text(encoding="utf-8").strip().lower()
-    if _HEX64.fullmatch(text) is None:
-        raise ValueError(f"{path}: expected the 64 hex character host credential")
-    return text
