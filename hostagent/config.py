@@ -3,6 +3,7 @@ here, once), the host credential file, and the crash-test failpoints."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -18,7 +19,10 @@ __all__ = [
     "AGENT_VERSION",
     "FAILPOINTS",
     "FAILPOINTS_ENV",
+    "FALLBACK_HEARTBEAT_S",
+    "FALLBACK_LEASE_S",
     "AgentConfig",
+    "config_default",
     "load_credential",
     "parse_failpoints",
 ]
@@ -42,6 +46,11 @@ FAILPOINTS: frozenset[str] = frozenset(
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
+#: Heartbeat period when neither the configuration nor the control plane sets one.
+FALLBACK_HEARTBEAT_S = 5.0
+#: Lease period assumed for an assignment that names none.
+FALLBACK_LEASE_S = 30.0
+
 
 def parse_failpoints(text: str | None) -> frozenset[str]:
     """Failpoint names from ``FLEETLEASE_AGENT_FAILPOINTS``; ValueError for an
@@ -55,14 +64,14 @@ def parse_failpoints(text: str | None) -> frozenset[str]:
     return names
 
 
-def _positive(name: str, value: float) -> None:
+def check_positive(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{name} must be a number, got {type(value).__name__}")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
-def _non_negative(name: str, value: float) -> None:
+def check_non_negative(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{name} must be a number, got {type(value).__name__}")
     if not math.isfinite(value) or value < 0:
@@ -130,7 +139,7 @@ class AgentConfig:
             raise ValueError("nats_url must be non-empty")
         if not self.goal_runner or not self.workflow_runner:
             raise ValueError("goal_runner and workflow_runner must be non-empty")
-        _positive("claim_wait_s", self.claim_wait_s)
+        check_positive("claim_wait_s", self.claim_wait_s)
         if isinstance(self.claim_polls, bool) or not isinstance(self.claim_polls, int):
             raise ValueError(f"claim_polls must be an integer, got {self.claim_polls!r}")
         if self.claim_polls < 1:
@@ -143,7 +152,7 @@ class AgentConfig:
             "backoff_cap_s",
             "cancel_timeout_s",
         ):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         for name in (
             "min_poll_interval_s",
             "resync_jitter_s",
@@ -153,9 +162,9 @@ class AgentConfig:
             "artifact_flush_s",
             "broker_refused_s",
         ):
-            _non_negative(name, getattr(self, name))
+            check_non_negative(name, getattr(self, name))
         if self.heartbeat_s is not None:
-            _positive("heartbeat_s", self.heartbeat_s)
+            check_positive("heartbeat_s", self.heartbeat_s)
         if (
             isinstance(self.max_resumes, bool)
             or not isinstance(self.max_resumes, int)
@@ -169,6 +178,19 @@ class AgentConfig:
         unknown = set(self.failpoints) - FAILPOINTS
         if unknown:
             raise ValueError(f"failpoints: unknown {sorted(unknown)}")
+
+
+def config_default(name: str) -> Any:
+    """The default of :class:`AgentConfig` field ``name`` (for command-line
+    options, so that every default is declared once, on the field)."""
+    for f in dataclasses.fields(AgentConfig):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            raise ValueError(f"AgentConfig.{name} has no default")
+    raise ValueError(f"AgentConfig has no field {name!r}")
 
 
 def load_credential(path: str | os.PathLike[str]) -> str:

@@ -6,7 +6,13 @@ from __future__ import annotations
 from nats.errors import AuthorizationError as NatsAuthorizationError
 from nats.errors import Error as NatsError
 
-__all__ = ["AgentError", "BrokerRefused", "RegistrationRefused", "is_authorization_refusal"]
+__all__ = [
+    "Aborted",
+    "AgentError",
+    "BrokerRefused",
+    "RegistrationRefused",
+    "is_authorization_refusal",
+]
 
 
 class AgentError(Exception):
@@ -57,5 +63,5 @@ def is_authorization_refusal(exc: BaseException) -> bool:
     return isinstance(exc, NatsError) and "authorization violation" in str(exc).lower()
 
 
-class _Aborted(Exception):
+class Aborted(Exception):
     """An attempt's wait was cut short because its lease was lost."""

@@ -1,5 +1,6 @@
-"""Retry building blocks: capped exponential backoff with jitter, and the
-cost-bounded queue that drops its oldest items instead of blocking."""
+"""Retry building blocks: capped exponential backoff with jitter, an
+interruptible sleep, the error codes worth retrying, and the cost-bounded queue
+that drops its oldest items instead of blocking."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
 
-from fleetlease.hostagent.config import _positive
+from fleetlease.hostagent.config import check_positive
 
-__all__ = ["Backoff", "DropOldestQueue"]
+__all__ = ["TRANSIENT_CODES", "Backoff", "DropOldestQueue", "sleep_or_event"]
 
 Q = TypeVar("Q")
+
+#: Error codes after which a request is worth repeating unchanged.
+TRANSIENT_CODES = frozenset({"unavailable", "busy", "internal"})
 
 
 class Backoff:
@@ -22,8 +26,8 @@ class Backoff:
     so a failing loop cannot spin; the jitter spreads many agents apart."""
 
     def __init__(self, base_s: float, cap_s: float, *, rng: random.Random | None = None) -> None:
-        _positive("base_s", base_s)
-        _positive("cap_s", cap_s)
+        check_positive("base_s", base_s)
+        check_positive("cap_s", cap_s)
         if cap_s < base_s:
             raise ValueError(f"cap_s must be >= base_s, got {cap_s} < {base_s}")
         self.base_s = base_s
@@ -127,3 +131,31 @@ class DropOldestQueue(Generic[Q]):
         while self._items and len(batch) < max_items and key(self._items[0]) == first:
             batch.append(self._drop_left())
         return batch
+
+
+async def sleep_or_event(delay: float, *events: asyncio.Event) -> bool:
+    """Sleep ``delay`` seconds; returns True early if any event is set."""
+    for e in events:
+        if e.is_set():
+            return True
+    if not events:
+        await asyncio.sleep(delay)
+        return False
+    if len(events) == 1:
+        # The common case (a renewal loop, a backoff): wait in this task,
+        # no waiter task to create and cancel.
+        try:
+            async with asyncio.timeout(max(delay, 0.0)):
+                await events[0].wait()
+        except TimeoutError:
+            return events[0].is_set()
+        return True
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        done, _ = await asyncio.wait(
+            waiters, timeout=max(delay, 0.0), return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        for w in waiters:
+            w.cancel()
+    return bool(done)
