@@ -205,15 +205,23 @@ class Events:
 
 def timed_agent_class() -> type:
     from fleetlease.hostagent.agent import Agent
+    from fleetlease.hostagent.claims import Claims
 
     class TimedAgent(Agent):
         """The real agent, noting when it receives each lease (wall clock)."""
 
         held_at: dict[str, float]
 
-        async def _accept(self, a: Any, devices: list[str]) -> None:
-            self.held_at[a.task_id] = time.time()
-            await super()._accept(a, devices)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            agent = self
+
+            class TimedClaims(Claims):
+                async def accept(self, a: Any, devices: list[str]) -> None:
+                    agent.held_at[a.task_id] = time.time()
+                    await super().accept(a, devices)
+
+            self.claims = TimedClaims(self.state, self.session, start=self.attempts.start)
 
     return TimedAgent
 

@@ -21,6 +21,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from fleetlease.hostagent.config import config_default
 from fleetlease.ops import eventloop, interpreter
 from fleetlease.ops.cli import EXIT_DENIED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError
 from fleetlease.ops.config import ConfigError, ensure_state_dir, from_args
@@ -57,27 +58,36 @@ def register(sub: Any) -> None:
         help="state directory (env FLEETLEASE_STATE_DIR, default ~/.local/share/fleetlease)",
     )
     p.add_argument("--prefix", help="NATS subject prefix (env FLEETLEASE_PREFIX)")
-    p.add_argument("--goal-runner", default="sim-goal", help="runner for goal tasks")
-    p.add_argument("--workflow-runner", default="sim-workflow", help="runner for workflow tasks")
+    p.add_argument(
+        "--goal-runner", default=config_default("goal_runner"), help="runner for goal tasks"
+    )
+    p.add_argument(
+        "--workflow-runner",
+        default=config_default("workflow_runner"),
+        help="runner for workflow tasks",
+    )
     p.add_argument(
         "--grace-s",
         type=float,
-        default=10.0,
+        default=config_default("grace_s"),
         help="on SIGTERM, time running attempts get to finish before being handed back",
     )
     p.add_argument(
-        "--claim-wait-s", type=float, default=20.0, help="long-poll duration of one claim"
+        "--claim-wait-s",
+        type=float,
+        default=config_default("claim_wait_s"),
+        help="long-poll duration of one claim",
     )
     p.add_argument(
         "--claim-polls",
         type=int,
-        default=4,
+        default=config_default("claim_polls"),
         help="the idle devices are split between up to this many outstanding claims",
     )
     p.add_argument(
         "--resync-jitter-s",
         type=float,
-        default=2.0,
+        default=config_default("resync_jitter_s"),
         help="random delay before re-registering after a reconnect",
     )
     p.add_argument(
@@ -86,27 +96,29 @@ def register(sub: Any) -> None:
         default=None,
         help="an attempt resumed this many times after agent restarts (it keeps killing "
         f"the agent) is reported as a retryable failure instead of run again "
-        f"(env {MAX_RESUMES_ENV}, default 2)",
+        f"(env {MAX_RESUMES_ENV}, default {config_default('max_resumes')})",
     )
     p.add_argument(
         "--broker-refused-s",
         type=float,
-        default=15.0,
+        default=config_default("broker_refused_s"),
         help="exit (code 7) once the NATS server has refused this host's authorization "
-        "for this long with no successful connect in between (default 15; a control "
-        "plane restarting on a secured broker is refused the same way for a moment)",
+        f"for this long with no successful connect in between (default "
+        f"{config_default('broker_refused_s'):g}; a control plane restarting on a "
+        "secured broker is refused the same way for a moment)",
     )
     p.add_argument("--debug", action="store_true", help="debug logs and tracebacks")
     p.set_defaults(func=cmd_agent)
 
 
 def max_resumes_from(args: argparse.Namespace) -> int:
-    """``--max-resumes`` > ``FLEETLEASE_AGENT_MAX_RESUMES`` > 2; CliError (usage)
-    for anything but an int >= 0."""
+    """``--max-resumes`` > ``FLEETLEASE_AGENT_MAX_RESUMES`` > the
+    :class:`AgentConfig` default; CliError (usage) for anything but an int >= 0."""
     if args.max_resumes is not None:
         value, where = str(args.max_resumes), "--max-resumes"
     else:
-        value, where = os.environ.get(MAX_RESUMES_ENV, "2"), MAX_RESUMES_ENV
+        default = str(config_default("max_resumes"))
+        value, where = os.environ.get(MAX_RESUMES_ENV, default), MAX_RESUMES_ENV
     try:
         n = int(value)
     except ValueError:

@@ -485,9 +485,9 @@ async def test_idle_devices_are_split_between_claims_and_each_covered_by_exactly
 
     async def coverage() -> tuple[int, dict[str, int], set[str]]:
         # Checked at every look: no device is listed by two claims in flight.
-        listed = [d for devices in agent._claims.values() for d in devices]
-        assert len(listed) == len(set(listed)), agent._claims
-        return len(agent._polls), dict(agent._covered), idle()
+        listed = [d for devices in agent.claims.outstanding.values() for d in devices]
+        assert len(listed) == len(set(listed)), agent.claims.outstanding
+        return len(agent.claims.polls), dict(agent.claims.covered), idle()
 
     def settled(c: tuple[int, dict[str, int], set[str]]) -> bool:
         polls, covered, idle_now = c
@@ -522,16 +522,18 @@ async def test_a_device_reporting_its_result_is_claimed_for_and_handed_to_the_ne
     reported = asyncio.Event()
     answer = asyncio.Event()
 
-    class SlowAnswer(Agent):
-        async def _report(self, att: Any) -> None:
-            await super()._report(att)  # the control plane has the result
-            if not reported.is_set():
-                reported.set()
-                await answer.wait()  # and its answer is still on the way
-
     await system.add_host("h1")
     manager = SimulatedDeviceManager(1, prefix="h1-dev")
-    agent = SlowAnswer(system.config("h1"), manager)
+    agent = Agent(system.config("h1"), manager)
+    report = agent.attempts.report
+
+    async def slow_answer(att: Any) -> None:
+        await report(att)  # the control plane has the result
+        if not reported.is_set():
+            reported.set()
+            await answer.wait()  # and its answer is still on the way
+
+    agent.attempts.report = slow_answer
     system.agents.append(RunningAgent(agent, asyncio.create_task(agent.run()), manager))
     first = await system.submit()
     second = await system.submit()
@@ -559,14 +561,16 @@ async def test_an_agent_stopping_while_an_assignment_waits_for_its_device_frees_
     system = await make_system(ack_s=2.0)
     answer = asyncio.Event()
 
-    class SlowAnswer(Agent):
-        async def _report(self, att: Any) -> None:
-            await super()._report(att)
-            await answer.wait()
-
     await system.add_host("h1")
     manager = SimulatedDeviceManager(1, prefix="h1-dev")
-    agent = SlowAnswer(system.config("h1"), manager)
+    agent = Agent(system.config("h1"), manager)
+    report = agent.attempts.report
+
+    async def slow_answer(att: Any) -> None:
+        await report(att)
+        await answer.wait()
+
+    agent.attempts.report = slow_answer
     task = asyncio.create_task(agent.run())
     first = await system.submit()
     second = await system.submit()
@@ -574,11 +578,11 @@ async def test_an_agent_stopping_while_an_assignment_waits_for_its_device_frees_
     await eventually(lambda: _value(agent.stats.handovers_waited), lambda n: n == 1)
     agent.stop()
     # The stop cancels the claims in flight, the waiting one included...
-    await eventually(lambda: _value(dict(agent._handover)), lambda h: not h)
+    await eventually(lambda: _value(dict(agent.state.handover)), lambda h: not h)
     answer.set()
     await asyncio.wait_for(task, 60)
     # ...so the finished attempt freed the device, and nobody acked the second.
-    assert not agent._held and [d.state for d in manager.snapshot()] == ["idle"]
+    assert not agent.state.held and [d.state for d in manager.snapshot()] == ["idle"]
     assert (await system.view(second))["attempts"][0]["acked_at"] is None
     await system.start_agent("h1", devices=1)
     done = await system.wait_state(second, "done")

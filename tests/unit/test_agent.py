@@ -212,8 +212,8 @@ def test_load_credential_strips_whitespace_and_never_echoes_bad_content(tmp_path
 
 
 async def test_runner_logs_beyond_the_queue_drop_the_oldest_and_never_block(tmp_path: Path) -> None:
-    from fleetlease.hostagent.agent import _Attempt
     from fleetlease.hostagent.journal import JournalRecord
+    from fleetlease.hostagent.state import Attempt
     from fleetlease.persistence.model import TaskKind
 
     agent = Agent(config(tmp_path, log_queue_lines=5), SimulatedDeviceManager(1))
@@ -226,12 +226,13 @@ async def test_runner_logs_beyond_the_queue_drop_the_oldest_and_never_block(tmp_
         kind=TaskKind.GOAL,
         lease_s=30.0,
     )
-    ctx = agent._context(_Attempt(record=record))
+    ctx = agent.attempts.context(Attempt(record=record))
 
     for i in range(100):
         ctx.log(f"line {i}")
 
     assert agent.stats.logs_dropped == 95
-    lines = [agent._logs.popleft() for _ in range(len(agent._logs))]
+    logs = agent.shipping.logs
+    lines = [logs.popleft() for _ in range(len(logs))]
     assert [item.line for item in lines] == [f"line {i}" for i in range(95, 100)]
     assert [item.seq for item in lines] == list(range(96, 101))
