@@ -64,29 +64,29 @@ _LISTERS = 4
 _CHURN_QUEUED_MAX = 5000
 
 
-def _cancel_timed_agent_class() -> type:
-    from fleetlease.hostagent.agent import Agent
+def _time_cancels(
+    agent: Any, learned_at: dict[str, float], renewed_without: dict[str, list[float]]
+) -> None:
+    """Make the real ``agent`` note when it learns that an attempt is cancelled
+    (the moment the runner's ``ctx.cancelled`` is set) and, per task, when each
+    renewal that said "no cancel" was sent."""
+    attempts = agent.attempts
+    request_cancel = attempts.request_cancel
+    renew_once = attempts._renew_once
 
-    class CancelTimedAgent(Agent):
-        """The real agent, noting when it learns that an attempt is cancelled
-        (the moment the runner's ``ctx.cancelled`` is set)."""
+    def timed_request_cancel(att: Any) -> None:
+        learned_at.setdefault(att.record.task_id, time.time())
+        request_cancel(att)
 
-        learned_at: dict[str, float]
-        #: Per task, when each renewal that said "no cancel" was sent.
-        renewed_without: dict[str, list[float]]
+    async def timed_renew_once(att: Any, *, timeout_s: float) -> Any:
+        sent = time.time()
+        reply = await renew_once(att, timeout_s=timeout_s)
+        if not reply.cancel_requested:
+            renewed_without.setdefault(att.record.task_id, []).append(sent)
+        return reply
 
-        def _request_cancel(self, att: Any) -> None:
-            self.learned_at.setdefault(att.record.task_id, time.time())
-            super()._request_cancel(att)
-
-        async def _renew_once(self, att: Any, *, timeout_s: float) -> Any:
-            sent = time.time()
-            reply = await super()._renew_once(att, timeout_s=timeout_s)
-            if not reply.cancel_requested:
-                self.renewed_without.setdefault(att.record.task_id, []).append(sent)
-            return reply
-
-    return CancelTimedAgent
+    attempts.request_cancel = timed_request_cancel
+    attempts._renew_once = timed_renew_once
 
 
 async def _loop_lag(samples: list[float], period_s: float = 0.01) -> None:
@@ -128,7 +128,8 @@ async def cancel_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
     try:
         await serve.ready()
         await events.start(fleet.nats_url, f"{fleet.prefix}.events.task")
-        agent_class = _cancel_timed_agent_class()
+        from fleetlease.hostagent.agent import Agent
+
         for h, pool in [(h, _HANG_POOL) for h in hang_hosts] + [(churn_host, _CHURN_POOL)]:
             cfg = AgentConfig(
                 host_id=h,
@@ -141,9 +142,8 @@ async def cancel_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             )
             caps = {**DEFAULT_SIM_CAPABILITIES, **pool}
             devices = SimulatedDeviceManager(opts.devices_per_host, caps, prefix=f"{h}-dev")
-            agent = agent_class(cfg, devices)
-            agent.learned_at = learned_at
-            agent.renewed_without = renewed_without
+            agent = Agent(cfg, devices)
+            _time_cancels(agent, learned_at, renewed_without)
             agents.append((agent, asyncio.ensure_future(agent.run())))
         await until(
             lambda: all(a.started.is_set() or t.done() for a, t in agents), 60, "agents to start"
