@@ -41,7 +41,12 @@ from fleetlease.persistence.repository._validate import (
     _check_task_id,
 )
 from fleetlease.persistence.repository.fencing import FencingMixin, _session_ok, _unauthorized
-from fleetlease.persistence.repository.transitions import Transition, TransitionRunner, _Batch
+from fleetlease.persistence.repository.transitions import (
+    Transition,
+    TransitionRunner,
+    _Batch,
+    verb_of,
+)
 from fleetlease.persistence.secrets import hash_secret, new_token
 from fleetlease.persistence.tables import attempts, hosts, tasks
 
@@ -59,16 +64,15 @@ class Renewal:
 class LeaseMixin(TransitionRunner, FencingMixin):
     """Claim, ack, renew and progress."""
 
-    async def claim(self, session: Session, task_id: str, attempt: int) -> Claimed:
+    def claim_op(self, session: Session, task_id: str, attempt: int) -> Transition:
         """assigned -> dispatched, only by the owning host with its current session
         before the claim deadline. Generates the lease token (returned once), stores
         only its SHA-256, sets ack deadline and the session generation on the
-        attempt. Concurrent claims: exactly one wins, the others get ``Conflict``."""
-        result: Claimed = await self.run_one(self.claim_op(session, task_id, attempt))
-        return result
+        attempt. Concurrent claims: exactly one wins, the others get ``Conflict``.
 
-    def claim_op(self, session: Session, task_id: str, attempt: int) -> Transition:
-        """``claim`` as a :class:`Transition` (validated now, run later)."""
+        ``claim_op`` builds it as a :class:`Transition`, validated now and run
+        later (alone, or sharing a transaction in ``run_many``); ``claim``
+        runs it in a transaction of its own."""
         _check_session(session)
         tid = _check_task_id(task_id)
         _check_int(attempt, "attempt", 1, MAX_INT32)
@@ -80,6 +84,8 @@ class LeaseMixin(TransitionRunner, FencingMixin):
             return await self._claim_row(conn, row, session, now, batch)
 
         return Transition("claim", tid, attempt, session.host_id, run)
+
+    claim = verb_of(claim_op, Claimed)
 
     async def _claim_row(
         self,
@@ -180,18 +186,13 @@ class LeaseMixin(TransitionRunner, FencingMixin):
 
         return await self._tx("claim_next", run, driver=True)
 
-    async def ack(
-        self, session: Session, task_id: str, attempt: int, lease_token: str
-    ) -> LeaseStatus:
-        """dispatched -> running before the ack deadline; starts the execution lease.
-        Repeated ack of a running attempt returns the current status."""
-        result: LeaseStatus = await self.run_one(
-            self.ack_op(session, task_id, attempt, lease_token)
-        )
-        return result
-
     def ack_op(self, session: Session, task_id: str, attempt: int, lease_token: str) -> Transition:
-        """``ack`` as a :class:`Transition`."""
+        """dispatched -> running before the ack deadline; starts the execution lease.
+        Repeated ack of a running attempt returns the current status.
+
+        ``ack_op`` builds it as a :class:`Transition`, validated now and run
+        later (alone, or sharing a transaction in ``run_many``); ``ack``
+        runs it in a transaction of its own."""
         tid = self._check_lease_args(session, task_id, attempt, lease_token)
 
         async def run(conn: AsyncConnection, now: datetime, batch: _Batch | None) -> LeaseStatus:
@@ -217,6 +218,8 @@ class LeaseMixin(TransitionRunner, FencingMixin):
             return self._status(row, TaskState.RUNNING.value, expires, moved=True)
 
         return Transition("ack", tid, attempt, session.host_id, run)
+
+    ack = verb_of(ack_op, LeaseStatus)
 
     async def renew(
         self, session: Session, task_id: str, attempt: int, lease_token: str
@@ -496,20 +499,15 @@ class LeaseMixin(TransitionRunner, FencingMixin):
             else:
                 out[i] = Conflict("no such attempt", reason="unknown_attempt", task_id=tid)
 
-    async def progress(
-        self, session: Session, task_id: str, attempt: int, lease_token: str, seq: int
-    ) -> LeaseStatus:
-        """A progress report: counts as a renewal; ``progress_seq`` only grows (an
-        older or equal seq is accepted as a renewal but does not move it back)."""
-        result: LeaseStatus = await self.run_one(
-            self.progress_op(session, task_id, attempt, lease_token, seq)
-        )
-        return result
-
     def progress_op(
         self, session: Session, task_id: str, attempt: int, lease_token: str, seq: int
     ) -> Transition:
-        """``progress`` as a :class:`Transition`."""
+        """A progress report: counts as a renewal; ``progress_seq`` only grows (an
+        older or equal seq is accepted as a renewal but does not move it back).
+
+        ``progress_op`` builds it as a :class:`Transition`, validated now and run
+        later (alone, or sharing a transaction in ``run_many``); ``progress``
+        runs it in a transaction of its own."""
         tid = self._check_lease_args(session, task_id, attempt, lease_token)
         _check_int(seq, "seq", 0, 2**63 - 1)
 
@@ -532,3 +530,5 @@ class LeaseMixin(TransitionRunner, FencingMixin):
             return self._status(row, row["status"], deadline)
 
         return Transition("progress", tid, attempt, session.host_id, run)
+
+    progress = verb_of(progress_op, LeaseStatus)

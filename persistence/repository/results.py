@@ -21,7 +21,12 @@ from fleetlease.persistence.repository._retry import _after_failure
 from fleetlease.persistence.repository._sql import _LEASED
 from fleetlease.persistence.repository._validate import _check_json_dict, _check_str
 from fleetlease.persistence.repository.fencing import FencingMixin
-from fleetlease.persistence.repository.transitions import Transition, TransitionRunner, _Batch
+from fleetlease.persistence.repository.transitions import (
+    Transition,
+    TransitionRunner,
+    _Batch,
+    verb_of,
+)
 from fleetlease.persistence.secrets import matches, secrets_equal
 
 _OUTCOME_OF_END = {
@@ -34,39 +39,6 @@ _OUTCOME_OF_END = {
 
 class ResultMixin(TransitionRunner, FencingMixin):
     """Recording an attempt's result."""
-
-    async def report_result(
-        self,
-        session: Session,
-        task_id: str,
-        attempt: int,
-        lease_token: str,
-        *,
-        outcome: Outcome,
-        retryable: bool = False,
-        reason: str = "",
-        result: dict[str, Any] | None = None,
-        fingerprint: str,
-    ) -> ResultRecord:
-        """Terminal report from the active lease: done / failed / cancelled; a
-        retryable failure with attempts left goes to retrying (eligible_at = now +
-        backoff). Releases the reservation. Replay with the same attempt and
-        fingerprint returns the recorded outcome (``replayed=True``); a different
-        fingerprint or a stale attempt is ``Conflict``."""
-        record: ResultRecord = await self.run_one(
-            self.report_result_op(
-                session,
-                task_id,
-                attempt,
-                lease_token,
-                outcome=outcome,
-                retryable=retryable,
-                reason=reason,
-                result=result,
-                fingerprint=fingerprint,
-            )
-        )
-        return record
 
     def report_result_op(
         self,
@@ -81,7 +53,15 @@ class ResultMixin(TransitionRunner, FencingMixin):
         result: dict[str, Any] | None = None,
         fingerprint: str,
     ) -> Transition:
-        """``report_result`` as a :class:`Transition`."""
+        """Terminal report from the active lease: done / failed / cancelled; a
+        retryable failure with attempts left goes to retrying (eligible_at = now +
+        backoff). Releases the reservation. Replay with the same attempt and
+        fingerprint returns the recorded outcome (``replayed=True``); a different
+        fingerprint or a stale attempt is ``Conflict``.
+
+        ``report_result_op`` builds it as a :class:`Transition`, validated now and run
+        later (alone, or sharing a transaction in ``run_many``); ``report_result``
+        runs it in a transaction of its own."""
         tid = self._check_lease_args(session, task_id, attempt, lease_token)
         try:
             out = Outcome(outcome)
@@ -110,6 +90,8 @@ class ResultMixin(TransitionRunner, FencingMixin):
             )
 
         return Transition("report_result", tid, attempt, session.host_id, run)
+
+    report_result = verb_of(report_result_op, ResultRecord)
 
     @staticmethod
     def _replay(row: RowMapping, fingerprint: str) -> ResultRecord:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import functools
 import json
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import RowMapping
@@ -347,3 +347,27 @@ class TransitionRunner(Transactions):
             return await self.run_one(t)
         except RepositoryError as exc:
             return exc
+
+
+_Runner = TypeVar("_Runner", bound=TransitionRunner)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def verb_of(
+    build: Callable[Concatenate[_Runner, _P], Transition], result: type[_R]
+) -> Callable[Concatenate[_Runner, _P], Coroutine[Any, Any, _R]]:
+    """The awaitable verb of a host transition declared once, as its builder
+    (``claim = verb_of(claim_op, Claimed)``): ``await claim(...)`` is
+    ``run_one(claim_op(...))``, the transition in a transaction of its own,
+    answering with the ``result`` its ``run`` returns. The verb takes the
+    builder's arguments and documentation."""
+
+    async def verb(self: _Runner, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return cast(_R, await self.run_one(build(self, *args, **kwargs)))
+
+    verb.__name__ = build.__name__.removesuffix("_op")
+    verb.__qualname__ = build.__qualname__.removesuffix("_op")
+    verb.__doc__ = build.__doc__
+    verb.__module__ = build.__module__
+    return verb
