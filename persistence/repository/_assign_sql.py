@@ -67,8 +67,8 @@ def _free_if_waiting_stmt() -> Any:
 def _free_devices_stmt() -> Any:
     """The free devices for matching in Python, capabilities as JSON text decoded
     once per distinct text (``_FreeDevice.load``): a fleet's devices share a few
-    capability sets, and decoding every row's JSONB was most of an assignment's
-    CPU with thousands of free devices."""
+    capability sets, and decoding every row's JSONB would dominate an
+    assignment's CPU in a large fleet."""
     return _free_devices_sub(caps_text=True).order_by(devices.c.host_id, devices.c.device_id)
 
 
@@ -104,9 +104,9 @@ def _rank_candidates_stmt() -> Any:
     now = sa.bindparam("now", type_=tasks.c.eligible_at.type)
     # The distinct capability sets of the free devices, computed once for the
     # statement: each scanned task is checked against those few sets. Checked
-    # against the free devices themselves, each task's EXISTS walked the
-    # reserved devices (an anti-join probe each) before finding a free one: with
-    # 10,000 devices mostly reserved, one ranking ran for seconds.
+    # against the free devices themselves, each task's EXISTS would walk the
+    # reserved devices (an anti-join probe each) before finding a free one, so
+    # a ranking's cost would grow with the reserved part of the fleet.
     free_caps = (
         _free_devices_sub()
         .with_only_columns(devices.c.capabilities)

@@ -59,8 +59,8 @@ def _unnest_params(name: str, **cols: Any) -> Any:
 
 
 # Statements on the hot paths are built once, with bind parameters, and kept:
-# building a SQLAlchemy expression and its cache key anew for every execution was
-# most of the control plane's CPU per task. ``_prebuilt(key, build)`` returns the
+# building a SQLAlchemy expression and its cache key anew for every execution
+# dominates the control plane's CPU per task. ``_prebuilt(key, build)`` returns the
 # statement of that shape, building it on first use.
 _PREBUILT: dict[Any, Any] = {}
 

@@ -91,8 +91,9 @@ class Transactions:
 
         ``driver``: ``fn`` is given a :class:`DriverConnection` instead, which
         runs the same Core statements on the driver's (asyncpg) connection
-        without SQLAlchemy's execution layer, in a transaction of the driver's
-        (about 75 us of CPU less per statement: the hot paths)."""
+        without SQLAlchemy's execution layer, in a transaction of the driver's:
+        less CPU per statement, for the hot paths (figures in
+        docs/performance.md)."""
         for attempt in range(1, TX_ATTEMPTS + 1):
             try:
                 if driver:

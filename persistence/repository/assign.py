@@ -218,8 +218,8 @@ class AssignMixin(LeaseMixin):
         project, priority then FIFO within one), that match some free device."""
         # Two short statements: the rank (no locks), then the ranked tasks locked
         # by primary key. As one statement the planner, misled by the fast-moving
-        # statistics of the tasks table, joined every waiting task against the
-        # ranking (8 ms with 3,000 waiting, on every assignment).
+        # statistics of the tasks table, may join every waiting task against the
+        # ranking, on every assignment.
         params = {**self._free_params(now), "scan": 2 * n + len(exclude)}
         ranked = [
             r.id
@@ -259,7 +259,7 @@ class AssignMixin(LeaseMixin):
             used: set[int] = set()
             # Devices before ``first`` are all taken: a task without a selector
             # takes the first one left, without walking past the taken ones again
-            # (with thousands free, that walk was quadratic in the batch).
+            # (that walk would be quadratic in the batch).
             first = 0
             for task in pending:
                 if len(won) + len(pairs) >= limit:

@@ -91,8 +91,8 @@ class SubmitMixin(UserMixin):
             return out, set(ids).intersection(out)
         except sa.exc.IntegrityError as exc:
             # The foreign keys refused an unknown project or owner (nothing was
-            # written): read which, for the precise error. Checking first cost
-            # two reads on every submit.
+            # written): read which, for the precise error. Checking first would
+            # cost two reads on every submit.
             if _sqlstate(exc) != FOREIGN_KEY_VIOLATION:
                 raise
 
