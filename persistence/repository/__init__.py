@@ -11,7 +11,7 @@ id + generation), already authenticated by the transport; they re-check in the
 same transaction that the generation is the host's current one and the host is
 not revoked (else ``Unauthorized``).
 
-Decisions worth knowing when coding against this module:
+Decisions worth knowing when coding against this package:
 
 * Deadlines: an attempt in ``assigned`` expires at ``claim_deadline``; in
   ``dispatched`` at ``ack_deadline`` (``lease_expires_at`` is set equal to it at
@@ -68,5 +68,5 @@ class Repository(
     ReconcileMixin,
     SideChannelMixin,
 ):
-    """The durable scheduling repository (see the module documentation): one
+    """The durable scheduling repository (see the package documentation above): one
     class composed of one mixin per role, each in its own module."""

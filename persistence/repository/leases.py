@@ -227,7 +227,8 @@ class LeaseMixin(TransitionRunner, FencingMixin):
         """Extend the lease of a dispatched/running attempt (now + lease_s), same
         attempt and device; reports ``cancel_requested``. Expired, replaced or
         foreign lease: ``Conflict`` (or ``Gone`` when terminal) and nothing changes.
-        In ``dispatched`` the deadline stays the ack deadline (see module doc)."""
+        In ``dispatched`` the deadline stays the ack deadline (see the package
+        documentation, ``persistence.repository``)."""
         result = (
             await self.renew_many(
                 [
