@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from fleetlease.persistence import repository
 from fleetlease.persistence.errors import Conflict, Gone, Invalid, Unauthorized
 from fleetlease.persistence.model import DeviceSnapshot, EndReason, Outcome, Session, TaskState
+from fleetlease.persistence.repository import assign
 from fleetlease.persistence.secrets import hash_secret
 from tests.integration.test_repository_support import World, world
 
@@ -246,7 +246,7 @@ async def test_tasks_assigned_together_go_to_devices_of_different_waiting_reques
 async def test_the_device_preference_asks_a_bounded_number_of_times_per_transaction(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(repository, "_PREFER_BUDGET", 2)
+    monkeypatch.setattr(assign, "_PREFER_BUDGET", 2)
     s1 = await world.host("h1", ["d1", "d2", "d3", "d4", "d5", "d6"])
     ids = {await world.submit() for _ in range(3)}
     asked: list[str] = []

@@ -1,0 +1,218 @@
+"""Logs and artifacts: their own channels, never on the job path."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from fleetlease.persistence.errors import Conflict, Forbidden, Invalid, NotFound
+from fleetlease.persistence.model import Session, User
+from fleetlease.persistence.repository._sql import UUIDT, _unnest
+from fleetlease.persistence.repository._validate import (
+    MAX_INT32,
+    SHA256_RE,
+    _check_int,
+    _check_session,
+    _check_str,
+    _check_task_id,
+    _check_user,
+)
+from fleetlease.persistence.repository.fencing import FencingMixin
+from fleetlease.persistence.repository.views import ViewMixin, _iso
+from fleetlease.persistence.tables import artifacts, attempts, log_lines, tasks
+
+
+class SideChannelMixin(FencingMixin, ViewMixin):
+    """Log lines and artifacts of attempts."""
+
+    async def _own_attempt(
+        self, conn: AsyncConnection, session: Session, task_id: str, attempt: int
+    ) -> None:
+        await self._check_session_row(conn, session)
+        row = (
+            await conn.execute(
+                sa.select(attempts.c.host_id).where(
+                    attempts.c.task_id == task_id, attempts.c.number == attempt
+                )
+            )
+        ).first()
+        if row is None:
+            exists = (
+                await conn.execute(sa.select(tasks.c.id).where(tasks.c.id == task_id))
+            ).first()
+            if exists is None:
+                raise NotFound("no such task", task_id=task_id)
+            raise NotFound("no such attempt", task_id=task_id, attempt=attempt)
+        if row.host_id != session.host_id:
+            raise Forbidden("the attempt belongs to another host", task_id=task_id)
+
+    async def append_logs(
+        self, session: Session, task_id: str, attempt: int, first_seq: int, lines: Sequence[str]
+    ) -> int:
+        """Store log lines of an attempt the host owns (any state: logs may trail the
+        result). Duplicate (task, attempt, seq) lines are ignored (retries are safe).
+        Returns the number of new lines. ``Forbidden`` for another host's attempt."""
+        _check_session(session)
+        tid = _check_task_id(task_id)
+        _check_int(attempt, "attempt", 1, MAX_INT32)
+        _check_int(first_seq, "first_seq", 0, 2**62)
+        if isinstance(lines, str) or not isinstance(lines, Sequence) or len(lines) > 10_000:
+            raise Invalid("lines must be a sequence of at most 10000 strings", field="lines")
+        for line in lines:
+            _check_str(line, "lines", max_len=65536, empty=True)
+
+        async def run(conn: AsyncConnection, now: datetime) -> int:
+            # Fenced even for an empty batch: a revoked or foreign host gets its error.
+            await self._own_attempt(conn, session, tid, attempt)
+            if not lines:
+                return 0
+            seqs = list(range(first_seq, first_seq + len(lines)))
+            r = _unnest("r", seq=(sa.BigInteger, seqs), line=(sa.Text, list(lines)))
+            inserted = await conn.execute(
+                pg_insert(log_lines)
+                .from_select(
+                    ["task_id", "attempt", "seq", "ts", "line"],
+                    sa.select(
+                        sa.cast(sa.literal(tid), UUIDT),
+                        sa.literal(attempt, sa.Integer),
+                        r.c.seq,
+                        sa.literal(now, sa.DateTime(timezone=True)),
+                        r.c.line,
+                    ),
+                )
+                .on_conflict_do_nothing()
+                .returning(log_lines.c.id)
+            )
+            return len(inserted.all())
+
+        return await self._tx("append_logs", run)
+
+    async def read_logs(
+        self, task_id: str, user: User, *, after_id: int = 0, limit: int = 1000
+    ) -> list[dict[str, Any]]:
+        """Lines in order (id, attempt, seq, ts, line), authorized like task_view."""
+        tid = _check_task_id(task_id)
+        _check_user(user)
+        _check_int(after_id, "after_id", 0, 2**63 - 1)
+        _check_int(limit, "limit", 1, 100_000)
+
+        async def run(conn: AsyncConnection, now: datetime) -> list[dict[str, Any]]:
+            await self._authorize_task(conn, tid, user)
+            rows = (
+                await conn.execute(
+                    sa.select(
+                        log_lines.c.id,
+                        log_lines.c.attempt,
+                        log_lines.c.seq,
+                        log_lines.c.ts,
+                        log_lines.c.line,
+                    )
+                    .where(log_lines.c.task_id == tid, log_lines.c.id > after_id)
+                    .order_by(log_lines.c.id)
+                    .limit(limit)
+                )
+            ).all()
+            return [
+                {"id": r.id, "attempt": r.attempt, "seq": r.seq, "ts": _iso(r.ts), "line": r.line}
+                for r in rows
+            ]
+
+        return await self._tx("read_logs", run)
+
+    async def record_artifact(
+        self,
+        session: Session,
+        task_id: str,
+        attempt: int,
+        *,
+        name: str,
+        size: int,
+        sha256: str,
+        object_name: str,
+    ) -> None:
+        """Record an uploaded artifact of an attempt the host owns. Recording the same
+        (name, size, sha256) again is a no-op; a different one under the same name is
+        ``Conflict``."""
+        _check_session(session)
+        tid = _check_task_id(task_id)
+        _check_int(attempt, "attempt", 1, MAX_INT32)
+        _check_str(name, "name", max_len=255)
+        _check_int(size, "size", 0, 2**62)
+        if not isinstance(sha256, str) or not SHA256_RE.match(sha256):
+            raise Invalid("sha256 must be 64 lowercase hex digits", field="sha256")
+        _check_str(object_name, "object_name", max_len=1024)
+
+        async def run(conn: AsyncConnection, now: datetime) -> None:
+            await self._own_attempt(conn, session, tid, attempt)
+            inserted = (
+                await conn.execute(
+                    pg_insert(artifacts)
+                    .values(
+                        task_id=tid,
+                        attempt=attempt,
+                        name=name,
+                        size=size,
+                        sha256=sha256,
+                        object_name=object_name,
+                        created_at=now,
+                    )
+                    .on_conflict_do_nothing()
+                    .returning(artifacts.c.name)
+                )
+            ).first()
+            if inserted is not None:
+                return
+            existing = (
+                await conn.execute(
+                    sa.select(artifacts.c.size, artifacts.c.sha256).where(
+                        artifacts.c.task_id == tid,
+                        artifacts.c.attempt == attempt,
+                        artifacts.c.name == name,
+                    )
+                )
+            ).first()
+            if existing is None or (existing.size, existing.sha256) != (size, sha256):
+                raise Conflict("a different artifact has this name", reason="exists", name=name)
+
+        await self._tx("record_artifact", run)
+
+    async def list_artifacts(self, task_id: str, user: User) -> list[dict[str, Any]]:
+        """[{attempt, name, size, sha256, object_name, created_at}], authorized like
+        task_view. ``object_name`` is the control plane's object-store key."""
+        tid = _check_task_id(task_id)
+        _check_user(user)
+
+        async def run(conn: AsyncConnection, now: datetime) -> list[dict[str, Any]]:
+            await self._authorize_task(conn, tid, user)
+            rows = (
+                await conn.execute(
+                    sa.select(
+                        artifacts.c.attempt,
+                        artifacts.c.name,
+                        artifacts.c.size,
+                        artifacts.c.sha256,
+                        artifacts.c.object_name,
+                        artifacts.c.created_at,
+                    )
+                    .where(artifacts.c.task_id == tid)
+                    .order_by(artifacts.c.attempt, artifacts.c.name)
+                )
+            ).all()
+            return [
+                {
+                    "attempt": r.attempt,
+                    "name": r.name,
+                    "size": r.size,
+                    "sha256": r.sha256,
+                    "object_name": r.object_name,
+                    "created_at": _iso(r.created_at),
+                }
+                for r in rows
+            ]
+
+        return await self._tx("list_artifacts", run)

@@ -1,0 +1,262 @@
+"""Read models for users and operators: the safe projections of tasks, hosts
+and devices."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import RowMapping
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from fleetlease.persistence import fleet_view
+from fleetlease.persistence.errors import Invalid
+from fleetlease.persistence.model import TaskState, User
+from fleetlease.persistence.repository._sql import _live_host
+from fleetlease.persistence.repository._validate import _check_int, _check_task_id, _check_user
+from fleetlease.persistence.repository.users import UserMixin
+from fleetlease.persistence.tables import attempts, device_reservations, devices, hosts, tasks
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+class ViewMixin(UserMixin):
+    """Task, host and device views."""
+
+    @staticmethod
+    def _task_summary(row: RowMapping) -> dict[str, Any]:
+        """The safe projection of a task row: no token hash, no session, no
+        credential ever (the columns are picked here, one by one)."""
+        return {
+            "id": row["id"],
+            "state": row["status"],
+            "kind": row["kind"],
+            "goal": row["goal"],
+            "workflow": row["workflow"],
+            "project": row["project"],
+            "owner": row["owner"],
+            "priority": row["priority"],
+            "attempt": row["attempt"],
+            "max_attempts": row["max_attempts"],
+            "retry_at": (
+                _iso(row["eligible_at"]) if row["status"] == TaskState.RETRYING.value else None
+            ),
+            "cancel": {
+                "requested": row["cancel_requested_at"] is not None,
+                "by": row["cancel_requested_by"],
+                "at": _iso(row["cancel_requested_at"]),
+            },
+            "result": row["result"],
+            "terminal_reason": row["terminal_reason"],
+            "reconcile": {
+                "outcome": row["reconcile_outcome"],
+                "at": _iso(row["reconciled_at"]),
+            },
+            "created_at": _iso(row["created_at"]),
+            "updated_at": _iso(row["updated_at"]),
+            "finished_at": _iso(row["finished_at"]),
+        }
+
+    async def task_view(self, task_id: str, user: User) -> dict[str, Any]:
+        """The safe projection of one task with its attempts (see ops JSON in the
+        README). ``NotFound`` when missing, ``Forbidden`` without a role."""
+        tid = _check_task_id(task_id)
+        _check_user(user)
+
+        async def run(conn: AsyncConnection, now: datetime) -> dict[str, Any]:
+            row = await self._authorize_task(conn, tid, user)
+            view = self._task_summary(row)
+            view["request_id"] = row["request_id"]
+            history = (
+                await conn.execute(
+                    sa.select(
+                        attempts.c.number,
+                        attempts.c.host_id,
+                        attempts.c.device_id,
+                        attempts.c.lease_id,
+                        attempts.c.assigned_at,
+                        attempts.c.claimed_at,
+                        attempts.c.acked_at,
+                        attempts.c.lease_expires_at,
+                        attempts.c.ended_at,
+                        attempts.c.end_reason,
+                    )
+                    .where(attempts.c.task_id == tid)
+                    .order_by(attempts.c.number)
+                )
+            ).all()
+            view["attempts"] = [
+                {
+                    "number": a.number,
+                    "host_id": a.host_id,
+                    "device_id": a.device_id,
+                    "lease_id": a.lease_id,
+                    "assigned_at": _iso(a.assigned_at),
+                    "claimed_at": _iso(a.claimed_at),
+                    "acked_at": _iso(a.acked_at),
+                    "started_at": _iso(a.claimed_at),
+                    "lease_expires_at": _iso(a.lease_expires_at),
+                    "ended_at": _iso(a.ended_at),
+                    "end_reason": a.end_reason,
+                }
+                for a in history
+            ]
+            return view
+
+        return await self._tx("task_view", run)
+
+    async def readable_task_ids(self, user: User, task_ids: Sequence[str]) -> set[str]:
+        """Which of ``task_ids`` the user may read (one read-only query; the same
+        rule as ``list_tasks``). Ids that are not UUIDs are simply not readable."""
+        _check_user(user)
+        wanted: set[str] = set()
+        for task_id in task_ids:
+            try:
+                wanted.add(str(uuid.UUID(str(task_id))))
+            except ValueError:
+                continue
+        if not wanted:
+            return set()
+        if user.platform_admin:
+            return wanted
+
+        async def run(conn: AsyncConnection, now: datetime) -> set[str]:
+            rows = await conn.execute(
+                sa.select(tasks.c.id).where(tasks.c.id.in_(sorted(wanted)), self._visible(user))
+            )
+            return {str(r[0]) for r in rows}
+
+        return await self._tx("readable_task_ids", run)
+
+    async def list_tasks(
+        self,
+        user: User,
+        *,
+        states: Sequence[str] = (),
+        host_id: str | None = None,
+        limit: int = 100,
+    ) -> list[dict[str, Any]]:
+        """Tasks the user may see, newest first; ``states`` filters by state and
+        ``host_id`` by the host of the current attempt."""
+        _check_user(user)
+        if isinstance(states, str):
+            states = [states]
+        try:
+            wanted = [TaskState(s).value for s in states]
+        except ValueError:
+            raise Invalid("unknown task state", field="states") from None
+        if host_id is not None and not isinstance(host_id, str):
+            raise Invalid("host_id must be a string", field="host_id")
+        _check_int(limit, "limit", 1, 10_000)
+
+        async def run(conn: AsyncConnection, now: datetime) -> list[dict[str, Any]]:
+            stmt = sa.select(tasks).where(self._visible(user))
+            if wanted:
+                stmt = stmt.where(tasks.c.status.in_(wanted))
+            if host_id is not None:
+                stmt = stmt.where(
+                    sa.exists().where(
+                        attempts.c.task_id == tasks.c.id,
+                        attempts.c.number == tasks.c.attempt,
+                        attempts.c.host_id == host_id,
+                    )
+                )
+            rows = (
+                (await conn.execute(stmt.order_by(tasks.c.seq.desc()).limit(limit)))
+                .mappings()
+                .all()
+            )
+            return [self._task_summary(r) for r in rows]
+
+        return await self._tx("list_tasks", run)
+
+    async def list_hosts(self) -> list[dict[str, Any]]:
+        async def run(conn: AsyncConnection, now: datetime) -> list[dict[str, Any]]:
+            count = (
+                sa.select(sa.func.count())
+                .where(devices.c.host_id == hosts.c.host_id)
+                .scalar_subquery()
+            )
+            rows = (
+                await conn.execute(
+                    sa.select(
+                        hosts.c.host_id,
+                        hosts.c.last_seen,
+                        hosts.c.session_generation,
+                        hosts.c.revoked_at,
+                        _live_host(now, self.timings.liveness_s).label("live"),
+                        count.label("devices"),
+                    ).order_by(hosts.c.host_id)
+                )
+            ).all()
+            return [
+                {
+                    "host_id": r.host_id,
+                    "live": bool(r.live),
+                    "last_seen": _iso(r.last_seen),
+                    "session_generation": r.session_generation,
+                    "revoked": r.revoked_at is not None,
+                    "devices": r.devices,
+                }
+                for r in rows
+            ]
+
+        return await self._tx("list_hosts", run)
+
+    async def list_devices(self) -> list[dict[str, Any]]:
+        async def run(conn: AsyncConnection, now: datetime) -> list[dict[str, Any]]:
+            rows = (
+                await conn.execute(
+                    sa.select(
+                        devices.c.host_id,
+                        devices.c.device_id,
+                        devices.c.state,
+                        devices.c.capabilities,
+                        device_reservations.c.task_id,
+                    )
+                    .outerjoin(
+                        device_reservations,
+                        sa.and_(
+                            device_reservations.c.host_id == devices.c.host_id,
+                            device_reservations.c.device_id == devices.c.device_id,
+                        ),
+                    )
+                    .order_by(devices.c.host_id, devices.c.device_id)
+                )
+            ).all()
+            return [
+                {
+                    "host_id": r.host_id,
+                    "device_id": r.device_id,
+                    "state": r.state,
+                    "capabilities": r.capabilities,
+                    "task_id": r.task_id,
+                }
+                for r in rows
+            ]
+
+        return await self._tx("list_devices", run)
+
+    async def fleet_devices(
+        self, *, host_id: str | None = None, limit: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Devices as the fleet view shows them (:mod:`fleet_view`)."""
+
+        async def run(conn: AsyncConnection, now: datetime) -> list[dict[str, Any]]:
+            return await fleet_view.read_devices(conn, host_id=host_id, limit=limit)
+
+        return await self._tx("fleet_devices", run)
+
+    async def fleet_counts(self, user: User, *, host_id: str | None = None) -> dict[str, Any]:
+        """The fleet's device totals and the totals of the tasks ``user`` may read."""
+        _check_user(user)
+
+        async def run(conn: AsyncConnection, now: datetime) -> dict[str, Any]:
+            return await fleet_view.read_counts(conn, visible=self._visible(user), host_id=host_id)
+
+        return await self._tx("fleet_counts", run)
