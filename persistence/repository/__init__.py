@@ -42,6 +42,7 @@ from __future__ import annotations
 from fleetlease.persistence.repository._sql import _is_prebuilt as _is_prebuilt
 from fleetlease.persistence.repository._sql import _prebuilt as _prebuilt
 from fleetlease.persistence.repository._tx import _sqlstate as _sqlstate
+from fleetlease.persistence.repository._validate import MAX_PAYLOAD_BYTES
 from fleetlease.persistence.repository._validate import _check_task_id as _check_task_id
 from fleetlease.persistence.repository._validate import _check_user as _check_user
 from fleetlease.persistence.repository.assign import AssignMixin
@@ -54,7 +55,7 @@ from fleetlease.persistence.repository.submit import SubmitMixin
 from fleetlease.persistence.repository.transitions import Transition
 from fleetlease.persistence.repository.views import _iso as _iso
 
-__all__ = ["Renewal", "Repository", "Transition"]
+__all__ = ["MAX_PAYLOAD_BYTES", "Renewal", "Repository", "Transition"]
 # Also importable from here, for ``persistence.reads``, ``persistence.bulk`` and
 # the tests, though not public: ``_check_task_id``, ``_check_user``, ``_iso``,
 # ``_is_prebuilt``, ``_prebuilt``, ``_sqlstate``.
