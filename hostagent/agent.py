@@ -117,6 +117,7 @@ from nats.errors import AuthorizationError as NatsAuthorizationError
 from nats.errors import Error as NatsError
 
 from fleetlease.hostagent.devices import DeviceManager, UnknownDevice
+from fleetlease.hostagent.execution import end_orphan_groups
 from fleetlease.hostagent.journal import (
     EntryState,
     Journal,
@@ -286,6 +287,8 @@ class AgentConfig:
     #: Runner names (entry points of ``fleetlease.runners``) per task kind.
     goal_runner: str = "sim-goal"
     workflow_runner: str = "sim-workflow"
+    #: The workflows this host advertises; None: any (a runner that takes every name).
+    workflows: tuple[str, ...] | None = None
     #: Long-poll duration of one claim (the control plane caps it at 60 s).
     claim_wait_s: float = 20.0
     #: An empty claim answered faster than this is paced (no busy loop).
@@ -897,6 +900,8 @@ class Agent:
                     **cfg.connect_options,
                 },
             )
+            client.advertised_workflows = None if cfg.workflows is None else list(cfg.workflows)
+            client.advertised_goal_runner = cfg.goal_runner
             try:
                 await client.connect()
             except asyncio.CancelledError:
@@ -1036,10 +1041,34 @@ class Agent:
                 "heartbeat_failed", host_id=self.config.host_id, code=exc.code, error=exc.message
             )
 
+    def record_process_group(
+        self, task_id: str, attempt: int, pgid: int, start: int | None
+    ) -> None:
+        """A runner started a process group for an attempt: journal it (see
+        ``hostagent.execution``). Called on the event loop."""
+        journal = self._journal
+        if journal is None:
+            return
+
+        async def record() -> None:
+            try:
+                await self._journal_calls.call(journal.add_group, task_id, attempt, pgid, start)
+            except JournalError as exc:
+                log.warning("process_group_not_journaled", task_id=task_id, attempt=attempt,
+                            pgid=pgid, error=exc.message)  # fmt: skip
+
+        self._spawn(record(), "record_group")
+
     async def _reconcile(self, client: HostClient) -> None:
         journal = self._journal_or_fail()
         async with self._journal_lock:
             entries = await self._journal_calls.call(journal.entries)
+            await end_orphan_groups(
+                [e for e in entries if e.key not in self._attempts],
+                self._journal_calls,
+                journal,
+                grace_s=self.config.cancel_timeout_s,
+            )
             result = await client.reconcile(
                 [
                     wire.ReconcileEntry(
