@@ -175,6 +175,9 @@ def project_task(raw: Mapping[str, Any], *, with_attempts: bool = True) -> dict[
         "finished_at": _plain(raw.get("finished_at")),
         "request_id": _plain(raw.get("request_id")),
     }
+    if with_attempts:
+        # Why a waiting task is not assigned, when it is known (null otherwise).
+        out["waiting_reason"] = _plain(raw.get("waiting_reason"))
     attempts = raw.get("attempts")
     if not with_attempts:
         # A list's page cursor: the tasks listed after this one.
@@ -200,6 +203,9 @@ def project_host(raw: Mapping[str, Any]) -> dict[str, Any]:
         "session_generation": _plain(raw.get("session_generation")),
         "devices": _plain(devices) if devices is not None else 0,
         "revoked": bool(raw.get("revoked") or raw.get("revoked_at")),
+        # Null: the host takes any workflow (it does not say which it serves).
+        "workflows": _plain(raw.get("workflows")),
+        "goal_runner": _plain(raw.get("goal_runner")),
     }
 
 

@@ -257,7 +257,7 @@ def print_hosts(hosts: Sequence[Mapping[str, Any]], *, show_revoked: bool = Fals
     if not hosts:
         out.print("no hosts")
         return
-    columns = ["HOST", "LIVE", "LAST SEEN", "GENERATION", "DEVICES"]
+    columns = ["HOST", "LIVE", "LAST SEEN", "GENERATION", "DEVICES", "WORKFLOWS", "GOAL RUNNER"]
     if show_revoked:
         columns += ["REVOKED"]
     table = _table(*columns)
@@ -268,11 +268,20 @@ def print_hosts(hosts: Sequence[Mapping[str, Any]], *, show_revoked: bool = Fals
             when(h.get("last_seen")),
             cell(h.get("session_generation")),
             cell(h.get("devices")),
+            _workflows_cell(h.get("workflows")),
+            cell(h.get("goal_runner") or "-"),
         ]
         if show_revoked:
             row.append(cell(bool(h.get("revoked"))))
         table.add_row(*row)
     out.print(table)
+
+
+def _workflows_cell(workflows: Any) -> str:
+    """A host's workflows: ``any`` when it takes every workflow (null)."""
+    if workflows is None:
+        return "any"
+    return ", ".join(str(w) for w in workflows) if workflows else "none"
 
 
 def print_devices(devices: Sequence[Mapping[str, Any]]) -> None:

@@ -72,6 +72,12 @@ from fleetlease.persistence.errors import (
     Unauthorized,
     Unavailable,
 )
+from fleetlease.persistence.matching import (
+    advert_params,
+    advert_stmt,
+    host_serves,
+    serves_workflow,
+)
 from fleetlease.persistence.model import (
     ACTIVE_STATES,
     TERMINAL_STATES,
@@ -82,6 +88,7 @@ from fleetlease.persistence.model import (
     DeviceSnapshot,
     EndReason,
     Expired,
+    HostAdvert,
     JournalEntry,
     LeaseStatus,
     LeaseTimings,
@@ -1082,6 +1089,8 @@ class Repository:
                     dev = free[i]
                     caps = dev.capabilities or {}
                     if not all(caps.get(k) == v for k, v in selector):
+                        continue
+                    if not host_serves(dev.workflows, task.workflow):
                         continue
                     pick = i
                     if prefer is not None:
@@ -2652,10 +2661,20 @@ class Repository:
 
         return await self._tx("current_generation", run, autocommit=True, driver=True)
 
-    async def heartbeat(self, session: Session, devices: Sequence[DeviceSnapshot]) -> None:
-        """Refresh last_seen and replace only this host's device records."""
+    async def heartbeat(
+        self,
+        session: Session,
+        devices: Sequence[DeviceSnapshot],
+        advert: HostAdvert | None = None,
+    ) -> None:
+        """Refresh last_seen and replace only this host's device records; with
+        ``advert``, store what the host serves (see ``persistence.matching``)."""
         _check_session(session)
         snapshot = _check_devices(devices)
+        try:
+            advertised = None if advert is None else advert_params(session.host_id, advert)
+        except ValueError as exc:
+            raise Invalid(str(exc), field="workflows") from None
 
         async def run(conn: AsyncConnection, now: datetime) -> None:
             seen = (
@@ -2670,6 +2689,8 @@ class Repository:
             ).first()
             if seen is None:
                 raise _unauthorized(session)
+            if advertised is not None:
+                await conn.execute(_prebuilt("host_advert", advert_stmt), advertised)
             await self._replace_devices(conn, now, session.host_id, snapshot)
 
         await self._tx("heartbeat", run, driver=True)
@@ -3147,6 +3168,8 @@ class Repository:
                         hosts.c.last_seen,
                         hosts.c.session_generation,
                         hosts.c.revoked_at,
+                        hosts.c.workflows,
+                        hosts.c.goal_runner,
                         _live_host(now, self.timings.liveness_s).label("live"),
                         count.label("devices"),
                     ).order_by(hosts.c.host_id)
@@ -3160,6 +3183,8 @@ class Repository:
                     "session_generation": r.session_generation,
                     "revoked": r.revoked_at is not None,
                     "devices": r.devices,
+                    "workflows": r.workflows,
+                    "goal_runner": r.goal_runner,
                 }
                 for r in rows
             ]
@@ -3780,7 +3805,7 @@ def _free_devices_sub(*, caps_text: bool = False) -> Any:
     if caps_text:
         caps = sa.cast(devices.c.capabilities, sa.Text).label("caps")
     return (
-        sa.select(devices.c.host_id, devices.c.device_id, caps)
+        sa.select(devices.c.host_id, devices.c.device_id, caps, hosts.c.workflows)
         .join(hosts, hosts.c.host_id == devices.c.host_id)
         .where(
             devices.c.state == "idle",
@@ -3890,6 +3915,7 @@ class _FreeDevice:
     host_id: str
     device_id: str
     capabilities: dict[str, Any]
+    workflows: list[str] | None = None
 
     @staticmethod
     def load(rows: Sequence[Any]) -> list[_FreeDevice]:
@@ -3899,7 +3925,7 @@ class _FreeDevice:
             caps = decoded.get(r.caps)
             if caps is None:
                 caps = decoded[r.caps] = json.loads(r.caps) if r.caps else {}
-            out.append(_FreeDevice(r.host_id, r.device_id, caps))
+            out.append(_FreeDevice(r.host_id, r.device_id, caps, r.workflows))
         return out
 
 
@@ -3922,7 +3948,7 @@ def _rank_candidates_stmt() -> Any:
     # 10,000 devices mostly reserved, one ranking ran for seconds.
     free_caps = (
         _free_devices_sub()
-        .with_only_columns(devices.c.capabilities)
+        .with_only_columns(devices.c.capabilities, hosts.c.workflows)
         .distinct()
         .cte("free_caps")
         .prefix_with("MATERIALIZED")
@@ -3933,7 +3959,10 @@ def _rank_candidates_stmt() -> Any:
             tasks.c.project == projects.c.name,
             sa.text("tasks.status IN ('queued', 'retrying')"),
             tasks.c.eligible_at <= now,
-            sa.exists().where(free_caps.c.capabilities.contains(tasks.c.selector)),
+            sa.exists().where(
+                free_caps.c.capabilities.contains(tasks.c.selector),
+                serves_workflow(tasks.c.workflow, free_caps.c.workflows),
+            ),
         )
         .order_by(tasks.c.priority.desc(), tasks.c.seq)
         .limit(sa.bindparam("scan", type_=sa.Integer))
@@ -3961,7 +3990,14 @@ def _lock_candidates_stmt() -> Any:
     out too."""
     ids = _arr_param("ids", UUIDT)
     return (
-        sa.select(tasks.c.id, tasks.c.status, tasks.c.attempt, tasks.c.selector, tasks.c.project)
+        sa.select(
+            tasks.c.id,
+            tasks.c.status,
+            tasks.c.attempt,
+            tasks.c.selector,
+            tasks.c.project,
+            tasks.c.workflow,
+        )
         .where(
             tasks.c.id == sa.any_(ids),
             sa.or_(*[tasks.c.status == w for w in _WAITING]),

@@ -69,7 +69,13 @@ from fleetlease.persistence.errors import (
     Unauthorized,
     Unavailable,
 )
-from fleetlease.persistence.model import DeviceSnapshot, JournalEntry, LeaseTimings, Session
+from fleetlease.persistence.model import (
+    DeviceSnapshot,
+    HostAdvert,
+    JournalEntry,
+    LeaseTimings,
+    Session,
+)
 from fleetlease.transport import wire
 from fleetlease.transport.auth import AuthError, Verifier, session_key
 from fleetlease.transport.broker_auth import open_register_proof
@@ -111,7 +117,9 @@ class ControlPlaneLike(Protocol):
 
     async def register(self, host_id: str, credential: str) -> Session: ...
 
-    async def heartbeat(self, session: Session, devices: list[DeviceSnapshot]) -> Any: ...
+    async def heartbeat(
+        self, session: Session, devices: list[DeviceSnapshot], advert: HostAdvert | None = None
+    ) -> Any: ...
 
     async def reconcile(self, session: Session, entries: list[JournalEntry]) -> Any: ...
 
@@ -674,6 +682,10 @@ class Server:
                     )
                     for d in m.devices
                 ],
+                HostAdvert(
+                    workflows=None if m.workflows is None else tuple(m.workflows),
+                    goal_runner=m.goal_runner,
+                ),
             )
             return wire.encode_reply(wire.Ok())
         if isinstance(m, wire.Reconcile):

@@ -15,6 +15,7 @@ from typing import Any
 
 from fleetlease.hostagent.journal import JOURNAL_FILENAME
 from fleetlease.persistence.model import RetryPolicy, TaskKind
+from fleetlease.persistence.reads import Reads
 from tests.integration.test_agent import ADMIN, System, eventually
 from tests.integration.test_agent_process import (
     AgentProcess,
@@ -257,3 +258,45 @@ async def test_a_restarted_agent_ends_the_steps_of_its_killed_predecessor(
     # The group was ended before the resumed attempt ran again.
     events = [e["event"] for e in restarted.events()]
     assert events.index("orphan_process_groups_ended") < events.index("attempt_resumed")
+
+
+# --- matching ------------------------------------------------------------------------------
+
+
+async def test_a_workflow_task_waits_for_a_host_that_serves_it(
+    procs: Callable[..., Awaitable[Processes]],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    p = await procs(lease_s=10.0)
+    system = p.system
+    reads = Reads(system.repo)
+    for host in ("h-a", "h-b"):
+        await system.add_host(host)
+    step = "steps: [{name: s, run: 'echo ran on $FLEETLEASE_DEVICE_ID'}]\n"
+    write(tmp_path / "wf-a", "other.yml", "name: other\n" + step)
+    write(tmp_path / "wf-b", "needed.yml", "name: needed\n" + step)
+    agent_a = spawn_workflow_agent(p, "h-a", tmp_path / "wf-a", devices="local:1")
+    await agent_a.wait_event("agent_registered")
+
+    async def host_a() -> dict[str, Any]:
+        return next(h for h in await system.repo.list_hosts() if h["host_id"] == "h-a")
+
+    advertised = await eventually(host_a, lambda h: h["workflows"] == ["other"])
+    assert advertised["goal_runner"] == "sim-goal"
+
+    needed = await submit(system, "needed")
+    # Submitted later, ranked after "needed": its running to the end on h-a's
+    # only device shows that "needed" was passed over, not merely not reached.
+    other = await submit(system, "other")
+    done = await system.wait_state(other, "done", timeout=60)
+    assert done["attempts"][0]["host_id"] == "h-a"
+    waiting = await reads.task_view(needed, ADMIN)
+    assert (waiting["state"], waiting["attempt"]) == ("queued", 0)
+    assert waiting["waiting_reason"] == "no live host serves workflow 'needed'"
+
+    agent_b = spawn_workflow_agent(p, "h-b", tmp_path / "wf-b", devices="local:1")
+    await agent_b.wait_event("agent_registered")
+    view = await system.wait_state(needed, "done", timeout=60)
+
+    assert [a["host_id"] for a in view["attempts"]] == ["h-b"]
+    assert (await reads.task_view(needed, ADMIN))["waiting_reason"] is None
