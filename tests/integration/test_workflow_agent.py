@@ -300,3 +300,34 @@ async def test_a_workflow_task_waits_for_a_host_that_serves_it(
 
     assert [a["host_id"] for a in view["attempts"]] == ["h-b"]
     assert (await reads.task_view(needed, ADMIN))["waiting_reason"] is None
+
+
+async def test_goal_tasks_run_through_the_goal_command(
+    procs: Callable[..., Awaitable[Processes]],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    p = await procs(lease_s=10.0)
+    system = p.system
+    await system.add_host("h-g")
+    command = tmp_path / "automate"
+    command.write_text(
+        "#!/bin/sh\n"
+        'echo "goal: $FLEETLEASE_GOAL on $FLEETLEASE_DEVICE_SERIAL"\n'
+        'case "$FLEETLEASE_GOAL" in *later*) exit 75 ;; esac\n'
+    )
+    command.chmod(0o755)
+    agent = p.spawn("h-g", devices="local:1", extra_args=["--goal-command", str(command)])
+    await agent.wait_event("agent_registered")
+
+    async def host() -> dict[str, Any]:
+        return next(h for h in await system.repo.list_hosts() if h["host_id"] == "h-g")
+
+    # No --workflows: this host takes any workflow (the simulated runner's).
+    advert = await eventually(host, lambda h: h["goal_runner"] == "command-goal")
+    assert advert["workflows"] is None
+    ok = await system.submit(payload={}, goal="open the settings")
+    later = await system.submit(payload={}, goal="try later")
+
+    assert (await system.wait_state(ok, "done", timeout=60))["attempt"] == 1
+    assert (await system.wait_state(later, "failed", timeout=90))["attempt"] == 3
+    await wait_line(system, ok, "goal: open the settings on local-0")
