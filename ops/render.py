@@ -202,6 +202,8 @@ def print_task(task: Mapping[str, Any]) -> None:
         ("updated", when(task.get("updated_at"))),
         ("finished", when(task.get("finished_at"))),
     ]
+    if task.get("waiting_reason"):
+        rows.append(("waiting", escape(cell(task.get("waiting_reason")))))
     if task.get("selector"):
         rows.append(("selector", escape(cell(task.get("selector")))))
     if task.get("payload"):
