@@ -188,6 +188,7 @@ class CombinedDeviceManager:
         if not sources:
             raise ValueError("at least one device source is needed")
         self.sources = list(sources)
+        self._duplicates_logged: set[str] = set()
 
     @property
     def version(self) -> int:
@@ -198,7 +199,9 @@ class CombinedDeviceManager:
         for source in self.sources:
             for d in source.snapshot():
                 if d.device_id in found:
-                    log.warning("device_id_duplicated", device_id=d.device_id)
+                    if d.device_id not in self._duplicates_logged:
+                        self._duplicates_logged.add(d.device_id)
+                        log.warning("device_id_duplicated", device_id=d.device_id)
                     continue
                 found[d.device_id] = d
         return [found[k] for k in sorted(found)]

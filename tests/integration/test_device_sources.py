@@ -141,3 +141,25 @@ def test_bad_specs_are_refused() -> None:
     for bad in ("local:0", "local:x", "command:", "nosuchsource:1", ""):
         with pytest.raises(ValueError):
             device_manager_from_specs([bad])
+
+
+def test_a_third_party_source_comes_from_the_entry_point_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A real installed distribution, as pip leaves one: a module and its
+    # dist-info with an entry point of the group fleetlease.devices.
+    (tmp_path / "labrig.py").write_text(
+        "from fleetlease.hostagent.devices import SimulatedDeviceManager\n"
+        "def source(arg):\n"
+        "    return SimulatedDeviceManager(int(arg), {'platform': 'rig'}, prefix='rig')\n"
+    )
+    info = tmp_path / "labrig-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: labrig\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[fleetlease.devices]\nlabrig = labrig:source\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    manager = device_manager_from_specs(["labrig:3,local:1"])
+
+    ids = [(d.device_id, d.capabilities["platform"]) for d in manager.snapshot()]
+    assert ids == [("local-0", "local"), ("rig-0", "rig"), ("rig-1", "rig"), ("rig-2", "rig")]
