@@ -167,6 +167,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     eventloop.checked_factory(_usage_error)
     settings = from_args(args)
     device_spec, device_count = up_devices(str(args.devices))
+    if device_spec is not None:
+        from fleetlease.hostagent.sources import device_manager_from_specs
+
+        try:
+            device_manager_from_specs([device_spec])  # checks the spec; runs nothing
+        except ValueError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
     workflows = str(Path(args.workflows).resolve()) if args.workflows else None
     if workflows is not None and not Path(workflows).is_dir():
         raise CliError(f"--workflows {args.workflows}: not a directory", EXIT_USAGE)

@@ -163,3 +163,15 @@ def test_a_third_party_source_comes_from_the_entry_point_group(
 
     ids = [(d.device_id, d.capabilities["platform"]) for d in manager.snapshot()]
     assert ids == [("local-0", "local"), ("rig-0", "rig"), ("rig-1", "rig"), ("rig-2", "rig")]
+
+
+def test_up_devices_takes_a_count_or_sources() -> None:
+    from fleetlease.ops.cli import CliError
+    from fleetlease.ops.commands.system import up_devices
+
+    assert up_devices("4") == (None, 4)
+    assert up_devices("local:2") == ("local:2", 2)
+    assert up_devices("local:2,command:/opt/list") == ("local:2,command:/opt/list", 2)
+    assert up_devices("adb") == ("adb", 1)
+    with pytest.raises(CliError):
+        up_devices("-1")
