@@ -89,6 +89,7 @@ from fleetlease.persistence.model import (
     CancelRecord,
     Claimed,
     DeviceSnapshot,
+    HostAdvert,
     JournalEntry,
     LeaseStatus,
     LeaseTimings,
@@ -318,9 +319,14 @@ class ControlPlane:
         async with self._request():
             return await self._bounded(self.repo.register_session(host_id, credential))
 
-    async def heartbeat(self, session: Session, devices: Sequence[DeviceSnapshot]) -> None:
+    async def heartbeat(
+        self,
+        session: Session,
+        devices: Sequence[DeviceSnapshot],
+        advert: HostAdvert | None = None,
+    ) -> None:
         async with self._request():
-            await self._bounded(self.repo.heartbeat(session, devices))
+            await self._bounded(self.repo.heartbeat(session, devices, advert))
         self.supervisor.wake_scheduler()
 
     async def reconcile(self, session: Session, entries: Sequence[JournalEntry]) -> ReconcileReport:

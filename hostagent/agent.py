@@ -72,7 +72,7 @@ from fleetlease.hostagent.config import (
 )
 from fleetlease.hostagent.devices import DeviceManager
 from fleetlease.hostagent.errors import AgentError, BrokerRefused, RegistrationRefused
-from fleetlease.hostagent.journal import Journal, JournalRecord
+from fleetlease.hostagent.journal import Journal, JournalError, JournalRecord
 from fleetlease.hostagent.retry import Backoff, DropOldestQueue
 from fleetlease.hostagent.runners import RunnerFactory, guard, load_runners
 from fleetlease.hostagent.runners.base import GuardedRunner
@@ -172,6 +172,25 @@ class Agent:
     @property
     def running_attempts(self) -> list[tuple[str, int]]:
         return sorted(self.state.attempts)
+
+    def record_process_group(
+        self, task_id: str, attempt: int, pgid: int, start: int | None
+    ) -> None:
+        """A runner started a process group for an attempt: journal it (see
+        ``hostagent.execution``). Called on the event loop."""
+        journal = self.state.journal
+        if journal is None:
+            return
+        calls = self.state.journal_calls
+
+        async def record() -> None:
+            try:
+                await calls.call(journal.add_group, task_id, attempt, pgid, start)
+            except JournalError as exc:
+                log.warning("process_group_not_journaled", task_id=task_id, attempt=attempt,
+                            pgid=pgid, error=exc.message)  # fmt: skip
+
+        self.state.spawn(record(), "record_group")
 
     def stop(self) -> None:
         """Ask the agent to shut down (stop claiming, finish or hand back running

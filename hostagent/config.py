@@ -90,6 +90,8 @@ class AgentConfig:
     #: Runner names (entry points of ``fleetlease.runners``) per task kind.
     goal_runner: str = "sim-goal"
     workflow_runner: str = "sim-workflow"
+    #: The workflows this host advertises; None: any (a runner that takes every name).
+    workflows: tuple[str, ...] | None = None
     #: Long-poll duration of one claim (the control plane caps it at 60 s).
     claim_wait_s: float = 20.0
     #: An empty claim answered faster than this is paced (no busy loop).

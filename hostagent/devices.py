@@ -10,6 +10,7 @@ send at once instead of waiting for its next tick.
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import subprocess
 import threading
@@ -21,6 +22,7 @@ import structlog
 
 __all__ = [
     "ADB_CAPABILITY_FIELDS",
+    "ADB_PROPERTIES",
     "DEFAULT_SIM_CAPABILITIES",
     "AdbDeviceManager",
     "ChangeCallback",
@@ -31,6 +33,7 @@ __all__ = [
     "UnknownDevice",
     "device_manager_from_spec",
     "parse_adb_devices",
+    "parse_getprop",
 ]
 
 log = structlog.get_logger(__name__)
@@ -256,6 +259,26 @@ def parse_adb_devices(output: str) -> list[DeviceInfo]:
     return [devices[k] for k in sorted(devices)]
 
 
+#: ``getprop`` properties read once per attached device -> capability name.
+ADB_PROPERTIES: Mapping[str, str] = {
+    "ro.product.model": "model",
+    "ro.build.version.sdk": "sdk",
+    "ro.build.version.release": "android_version",
+    "ro.product.cpu.abi": "abi",
+}
+_GETPROP_LINE = re.compile(r"^\[([^\]]+)\]: \[(.*)\]$")
+
+
+def parse_getprop(output: str) -> dict[str, str]:
+    """Capabilities from ``adb shell getprop`` output (``[name]: [value]`` lines)."""
+    caps: dict[str, str] = {}
+    for raw in output.splitlines():
+        m = _GETPROP_LINE.match(raw.strip())
+        if m is not None and m.group(1) in ADB_PROPERTIES and m.group(2):
+            caps[ADB_PROPERTIES[m.group(1)]] = m.group(2)[:128]
+    return caps
+
+
 class AdbDeviceManager(_Notifier):
     """Android devices seen by ``adb devices -l``.
 
@@ -282,6 +305,40 @@ class AdbDeviceManager(_Notifier):
         self._timeout_s = timeout_s
         self._seen: list[DeviceInfo] = []
         self._busy: set[str] = set()
+        #: Serial -> capabilities read with getprop (once while it stays attached).
+        self._props: dict[str, dict[str, str]] = {}
+
+    def _properties(self, serial: str) -> dict[str, str]:
+        """One ``adb -s SERIAL shell getprop`` per newly attached device."""
+        known = self._props.get(serial)
+        if known is not None:
+            return known
+        try:
+            proc = self._runner(
+                [self._adb_path, "-s", serial, "shell", "getprop"],
+                capture_output=True, text=True, timeout=self._timeout_s, check=False,
+            )  # fmt: skip
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("adb_getprop_failed", serial=serial, error=str(exc))
+            return {}
+        if proc.returncode != 0:
+            return {}
+        caps = parse_getprop(proc.stdout or "")
+        self._props[serial] = caps
+        return caps
+
+    def _with_properties(self, listed: list[DeviceInfo]) -> list[DeviceInfo]:
+        present = {d.device_id for d in listed}
+        for gone in set(self._props) - present:
+            del self._props[gone]
+        out: list[DeviceInfo] = []
+        for d in listed:
+            if d.state != "idle":
+                out.append(d)
+                continue
+            caps = {**d.capabilities, **self._properties(d.device_id)}
+            out.append(DeviceInfo(device_id=d.device_id, state=d.state, capabilities=caps))
+        return out
 
     def _compose(self, seen: Iterable[DeviceInfo], busy: set[str]) -> list[DeviceInfo]:
         return [
@@ -316,6 +373,8 @@ class AdbDeviceManager(_Notifier):
 
     def refresh(self) -> bool:
         listed = self._list()
+        if listed is not None:
+            listed = self._with_properties(listed)
         with self._lock:
             if listed is None:
                 listed = [

@@ -19,6 +19,10 @@ column was added after the first release: a journal file without it gets it
 (``ALTER TABLE ... ADD COLUMN``, default 0) when opened, and a record without a
 value reads as 0.
 
+Each entry also lists the process groups its steps started (``pgroups``, added
+the same way), so a restarted agent can end those an agent that died left
+running (see ``hostagent.execution``).
+
 The lease token is never logged: ``JournalRecord`` hides it from ``repr`` and
 no log event carries it.
 """
@@ -132,6 +136,8 @@ class JournalRecord:
     created_at: datetime = field(default_factory=_utcnow)
     #: How many times a restarted agent has resumed running this attempt.
     resumes: int = 0
+    #: The process groups its steps started: ``(pgid, leader start time)``.
+    groups: tuple[tuple[int, int | None], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.task_id:
@@ -207,6 +213,7 @@ CREATE TABLE IF NOT EXISTS entries (
     fingerprint TEXT,
     created_at  TEXT    NOT NULL,
     resumes     INTEGER NOT NULL DEFAULT 0,
+    pgroups     TEXT    NOT NULL DEFAULT '[]',
     PRIMARY KEY (task_id, attempt)
 )
 """
@@ -214,14 +221,19 @@ CREATE TABLE IF NOT EXISTS entries (
 #: Columns added after the first release, with their definition: added to an
 #: older file when it is opened (same schema version: an additive change that
 #: older agents, which name their columns, still read and write).
-_ADDED_COLUMNS = {"resumes": "INTEGER NOT NULL DEFAULT 0"}
+_ADDED_COLUMNS = {
+    "resumes": "INTEGER NOT NULL DEFAULT 0",
+    "pgroups": "TEXT NOT NULL DEFAULT '[]'",
+}
 
 _INSERT_COLUMNS = (
     "task_id, attempt, lease_id, lease_token, device_id, kind, goal, workflow, payload, "
-    "lease_s, state, outcome, retryable, reason, result, fingerprint, created_at, resumes"
+    "lease_s, state, outcome, retryable, reason, result, fingerprint, created_at, resumes, pgroups"
 )
 # A NULL counter (written by hand, or by a tool that did not know it) reads as 0.
-_COLUMNS = _INSERT_COLUMNS.replace("resumes", "COALESCE(resumes, 0)")
+_COLUMNS = _INSERT_COLUMNS.replace("resumes", "COALESCE(resumes, 0)").replace(
+    "pgroups", "COALESCE(pgroups, '[]')"
+)
 #: Index of ``fingerprint`` in a row of ``_COLUMNS``.
 _FINGERPRINT_COLUMN = _INSERT_COLUMNS.split(", ").index("fingerprint")
 
@@ -246,6 +258,7 @@ def _from_row(row: tuple[Any, ...]) -> JournalRecord:
         fingerprint,
         created_at,
         resumes,
+        pgroups,
     ) = row
     return JournalRecord(
         task_id=task_id,
@@ -266,7 +279,26 @@ def _from_row(row: tuple[Any, ...]) -> JournalRecord:
         fingerprint=fingerprint,
         created_at=datetime.fromisoformat(created_at),
         resumes=int(resumes or 0),
+        groups=_groups_from(pgroups),
     )
+
+
+def _groups_from(text: str | None) -> tuple[tuple[int, int | None], ...]:
+    try:
+        raw = json.loads(text or "[]")
+    except ValueError:
+        return ()
+    out: list[tuple[int, int | None]] = []
+    if isinstance(raw, list):
+        for item in raw:
+            if (
+                isinstance(item, list)
+                and len(item) == 2
+                and isinstance(item[0], int)
+                and (item[1] is None or isinstance(item[1], int))
+            ):
+                out.append((item[0], item[1]))
+    return tuple(out)
 
 
 class _Corrupt(Exception):
@@ -454,7 +486,7 @@ class Journal:
         with self._statement() as conn:
             cur = conn.execute(
                 f"INSERT OR IGNORE INTO entries ({_INSERT_COLUMNS}) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     record.task_id,
                     record.attempt,
@@ -474,6 +506,7 @@ class Journal:
                     record.fingerprint,
                     record.created_at.isoformat(),
                     record.resumes,
+                    json.dumps([list(g) for g in record.groups]),
                 ),
             )
             inserted = cur.rowcount == 1
@@ -536,6 +569,31 @@ class Journal:
             count = int(row[0])
         log.debug("journal_entry_resumed", task_id=task_id, attempt=attempt, resumes=count)
         return count
+
+    def add_group(self, task_id: str, attempt: int, pgid: int, start: int | None) -> None:
+        """Record a process group started for the attempt (committed on return);
+        an entry that is gone is left alone."""
+        with self._transaction() as conn:
+            row = conn.execute(
+                "SELECT COALESCE(pgroups, '[]') FROM entries WHERE task_id = ? AND attempt = ?",
+                (task_id, attempt),
+            ).fetchone()
+            if row is None:
+                return
+            groups = [list(g) for g in _groups_from(row[0])]
+            groups.append([int(pgid), start])
+            conn.execute(
+                "UPDATE entries SET pgroups = ? WHERE task_id = ? AND attempt = ?",
+                (json.dumps(groups[-32:]), task_id, attempt),
+            )
+
+    def clear_groups(self, task_id: str, attempt: int) -> None:
+        """Forget the attempt's recorded process groups (they have been ended)."""
+        with self._statement() as conn:
+            conn.execute(
+                "UPDATE entries SET pgroups = '[]' WHERE task_id = ? AND attempt = ?",
+                (task_id, attempt),
+            )
 
     def record_result(
         self,

@@ -43,6 +43,7 @@ from fleetlease.hostagent.errors import (
     RegistrationRefused,
     is_authorization_refusal,
 )
+from fleetlease.hostagent.execution import end_orphan_groups
 from fleetlease.hostagent.journal import JournalRecord
 from fleetlease.hostagent.retry import sleep_or_event
 from fleetlease.hostagent.state import AgentState
@@ -112,6 +113,8 @@ class Session:
                     **cfg.connect_options,
                 },
             )
+            client.advertised_workflows = None if cfg.workflows is None else list(cfg.workflows)
+            client.advertised_goal_runner = cfg.goal_runner
             try:
                 await client.connect()
             except asyncio.CancelledError:
@@ -263,6 +266,14 @@ class Session:
         journal = state.journal_or_fail()
         async with state.journal_lock:
             entries = await state.journal_calls.call(journal.entries)
+            # Process groups of attempts this agent no longer runs (a crashed
+            # predecessor's steps) end before the control plane hears of them.
+            await end_orphan_groups(
+                [e for e in entries if e.key not in state.attempts],
+                state.journal_calls,
+                journal,
+                grace_s=self._config.cancel_timeout_s,
+            )
             result = await client.reconcile(
                 [
                     wire.ReconcileEntry(

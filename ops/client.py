@@ -194,9 +194,7 @@ class OpsClient:
         me = await self._request(self.subjects.ops_identify(), "whoami", {})
         name = me.get("name") if isinstance(me, dict) else None
         if not is_valid_token(name):
-            raise OpsError(
-                "bad reply from the control plane: no user name", "bad_reply"
-            )
+            raise OpsError("bad reply from the control plane: no user name", "bad_reply")
         await self.close()
         self.user = name
         await self.connect()

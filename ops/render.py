@@ -202,6 +202,8 @@ def print_task(task: Mapping[str, Any]) -> None:
         ("updated", when(task.get("updated_at"))),
         ("finished", when(task.get("finished_at"))),
     ]
+    if task.get("waiting_reason"):
+        rows.append(("waiting", escape(cell(task.get("waiting_reason")))))
     if task.get("selector"):
         rows.append(("selector", escape(cell(task.get("selector")))))
     if task.get("payload"):
@@ -258,7 +260,7 @@ def print_hosts(hosts: Sequence[Mapping[str, Any]], *, show_revoked: bool = Fals
     if not hosts:
         out.print("no hosts")
         return
-    columns = ["HOST", "LIVE", "LAST SEEN", "GENERATION", "DEVICES"]
+    columns = ["HOST", "LIVE", "LAST SEEN", "GENERATION", "DEVICES", "WORKFLOWS", "GOAL RUNNER"]
     if show_revoked:
         columns += ["REVOKED"]
     table = _table(*columns)
@@ -269,11 +271,20 @@ def print_hosts(hosts: Sequence[Mapping[str, Any]], *, show_revoked: bool = Fals
             when(h.get("last_seen")),
             cell(h.get("session_generation")),
             cell(h.get("devices")),
+            _workflows_cell(h.get("workflows")),
+            cell(h.get("goal_runner") or "-"),
         ]
         if show_revoked:
             row.append(cell(bool(h.get("revoked"))))
         table.add_row(*row)
     out.print(table)
+
+
+def _workflows_cell(workflows: Any) -> str:
+    """A host's workflows: ``any`` when it takes every workflow (null)."""
+    if workflows is None:
+        return "any"
+    return ", ".join(str(w) for w in workflows) if workflows else "none"
 
 
 def print_devices(devices: Sequence[Mapping[str, Any]]) -> None:

@@ -167,6 +167,15 @@ class TaskSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HostAdvert:
+    """What a host says it runs, with every heartbeat: the workflows it serves
+    (None: any workflow, as a simulated runner does) and its goal runner."""
+
+    workflows: tuple[str, ...] | None = None
+    goal_runner: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class DeviceSnapshot:
     device_id: str
     state: str = "idle"  # idle | busy | offline

@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from fleetlease.persistence.errors import Forbidden, Invalid, NotFound
+from fleetlease.persistence.matching import waiting_reason
 from fleetlease.persistence.model import TaskState, User
 from fleetlease.persistence.repository import Repository, _check_task_id, _check_user, _iso
 from fleetlease.persistence.tables import artifacts, attempts, tasks
@@ -119,6 +120,10 @@ def request_id_matches(request_id: str) -> sa.ColumnElement[bool]:
         tasks.c.request_id.startswith(request_id + "@", autoescape=True),
         tasks.c.request_id.startswith(request_id + "#", autoescape=True),
     )
+
+
+#: States of a task waiting for a device.
+_WAITING_NOW = frozenset({TaskState.QUEUED.value, TaskState.RETRYING.value})
 
 
 def task_summary(row: Any) -> dict[str, Any]:
@@ -236,6 +241,11 @@ class Reads:
             view = task_summary(row)
             view["payload"] = row["payload"]
             view["selector"] = row["selector"]
+            view["waiting_reason"] = (
+                await waiting_reason(conn, now, self.repo.timings.liveness_s, row["workflow"])
+                if row["status"] in _WAITING_NOW
+                else None
+            )
             history = (
                 await conn.execute(
                     sa.select(

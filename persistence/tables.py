@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 from fleetlease.persistence.model import TaskKind, TaskState
 
@@ -64,6 +64,9 @@ hosts = sa.Table(
     sa.Column("last_seen", TS),
     sa.Column("revoked_at", TS),
     sa.Column("created_at", TS, nullable=False),
+    # The workflows the host serves (its last heartbeat); NULL: any workflow.
+    sa.Column("workflows", ARRAY(sa.Text)),
+    sa.Column("goal_runner", sa.Text),
 )
 
 devices = sa.Table(

@@ -83,6 +83,10 @@ class HostClient:
         self.timeout_s = timeout_s
         self._on_reconnect = on_reconnect
         self._connect_options = dict(connect_options or {})
+        #: Sent with every heartbeat: the workflows this host serves (None: any)
+        #: and the name of its goal runner.
+        self.advertised_workflows: list[str] | None = None
+        self.advertised_goal_runner: str = ""
         self._conns: dict[Channel, NatsClient] = {}
         self._bg: set[asyncio.Future[None]] = set()
         self._signer: Signer | None = None
@@ -220,7 +224,11 @@ class HostClient:
         await self._signed(
             Channel.CONTROL,
             self.subjects.heartbeat(self.host_id),
-            wire.Heartbeat(devices=list(devices)),
+            wire.Heartbeat(
+                devices=list(devices),
+                workflows=self.advertised_workflows,
+                goal_runner=self.advertised_goal_runner,
+            ),
             wire.Ok,
         )
 

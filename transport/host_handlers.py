@@ -37,7 +37,13 @@ import structlog
 from nats.aio.msg import Msg
 
 from fleetlease.persistence.errors import Unauthorized
-from fleetlease.persistence.model import DeviceSnapshot, JournalEntry, LeaseTimings, Session
+from fleetlease.persistence.model import (
+    DeviceSnapshot,
+    HostAdvert,
+    JournalEntry,
+    LeaseTimings,
+    Session,
+)
 from fleetlease.transport import wire
 from fleetlease.transport.artifacts import Artifacts
 from fleetlease.transport.auth import AuthError, Verifier, session_key
@@ -76,7 +82,9 @@ class ControlPlaneLike(Protocol):
 
     async def register(self, host_id: str, credential: str) -> Session: ...
 
-    async def heartbeat(self, session: Session, devices: list[DeviceSnapshot]) -> Any: ...
+    async def heartbeat(
+        self, session: Session, devices: list[DeviceSnapshot], advert: HostAdvert | None = None
+    ) -> Any: ...
 
     async def reconcile(self, session: Session, entries: list[JournalEntry]) -> Any: ...
 
@@ -296,6 +304,10 @@ class HostHandlers:
                     )
                     for d in m.devices
                 ],
+                HostAdvert(
+                    workflows=None if m.workflows is None else tuple(m.workflows),
+                    goal_runner=m.goal_runner,
+                ),
             )
             return wire.encode_reply(wire.Ok())
         if isinstance(m, wire.Reconcile):

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,23 @@ def register(sub: Any) -> None:
     p.add_argument("--nats-url", help="NATS URL (env FLEETLEASE_NATS_URL, else the context file)")
     p.add_argument(
         "--devices",
-        default="simulated:4",
-        help="'simulated:N' (N simulated devices) or 'adb' / 'adb:/path/to/adb' "
-        "(default simulated:4)",
+        action="append",
+        default=None,
+        help="a device source: 'simulated:N', 'local:N' (N slots on this host), 'adb' / "
+        "'adb:/path/to/adb', 'command:/path/to/lister' or a plugin's NAME[:ARG]; repeat it "
+        "or separate sources with commas to combine them (default simulated:4)",
+    )
+    p.add_argument(
+        "--workflows",
+        metavar="DIR",
+        help="serve the workflow definitions (*.yml) of DIR, each step run as a process "
+        "(invalid files are reported and skipped)",
+    )
+    p.add_argument(
+        "--goal-command",
+        metavar="CMD",
+        help="run goal tasks through CMD (the goal in $FLEETLEASE_GOAL); "
+        "default: the --goal-runner",
     )
     p.add_argument(
         "--state-dir",
@@ -144,7 +159,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
         load_credential,
         parse_failpoints,
     )
-    from fleetlease.hostagent.devices import device_manager_from_spec
+    from fleetlease.hostagent.execution import plan_execution
+    from fleetlease.hostagent.runners import load_runners
+    from fleetlease.hostagent.sources import device_manager_from_specs
     from fleetlease.transport.subjects import validate_token
 
     settings = from_args(args).with_context()
@@ -169,21 +186,33 @@ def cmd_agent(args: argparse.Namespace) -> int:
         )
     try:
         max_resumes = max_resumes_from(args)
-        devices = device_manager_from_spec(args.devices)
+        devices = device_manager_from_specs(args.devices or ["simulated:4"])
         failpoints = parse_failpoints(os.environ.get(FAILPOINTS_ENV))
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     directory = agent_dir(settings.state_dir, args.host_id)
     try:
         ensure_state_dir(directory)
+        plan = plan_execution(
+            state_dir=directory,
+            available=load_runners(),
+            goal_runner=args.goal_runner,
+            workflow_runner=args.workflow_runner,
+            workflows_dir=Path(args.workflows) if args.workflows else None,
+            goal_command=args.goal_command,
+            device_snapshot=devices.snapshot,
+            grace_s=min(args.grace_s, 5.0),
+            report=lambda line: print(line, file=sys.stderr, flush=True),
+        )
         config = AgentConfig(
             host_id=args.host_id,
             credential=credential,
             nats_url=settings.nats_url,
             state_dir=directory,
             prefix=settings.prefix,
-            goal_runner=args.goal_runner,
-            workflow_runner=args.workflow_runner,
+            goal_runner=plan.goal_runner,
+            workflow_runner=plan.workflow_runner,
+            workflows=plan.workflows,
             grace_s=args.grace_s,
             claim_wait_s=args.claim_wait_s,
             claim_polls=args.claim_polls,
@@ -192,7 +221,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
             max_resumes=max_resumes,
             broker_refused_s=args.broker_refused_s,
         )
-        agent = Agent(config, devices)
+        agent = Agent(config, devices, runners=plan.runners)
+        plan.bind(agent)
     except ConfigError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     except ValueError as exc:

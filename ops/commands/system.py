@@ -41,7 +41,18 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("up", help="run the whole system locally on embedded defaults")
     add_common(p)
-    p.add_argument("--devices", type=int, default=4, help="simulated devices of the local agent")
+    p.add_argument(
+        "--devices",
+        default="4",
+        help="the local agent's devices: N simulated devices, or a device source as for "
+        "`fleetlease agent --devices` (e.g. local:2, or local:2,command:/path; default 4)",
+    )
+    p.add_argument(
+        "--workflows",
+        metavar="DIR",
+        help="the local agent serves the workflow definitions of DIR (see docs/workflows.md)",
+    )
+    p.add_argument("--goal-command", metavar="CMD", help="the local agent runs goal tasks with CMD")
     p.add_argument("--demo", action="store_true", help="keep submitting a mix of demo tasks")
     p.add_argument(
         "--web",
@@ -130,6 +141,24 @@ def wait(stop: threading.Event) -> None:
         pass
 
 
+def up_devices(value: str) -> tuple[str | None, int]:
+    """``up --devices``: a count of simulated devices, or a device source spec
+    (then the count is the devices the local agent is waited for: those of
+    its ``simulated:N`` / ``local:N`` parts, at least 1)."""
+    text = value.strip()
+    if text.lstrip("-").isdigit():
+        n = int(text)
+        if n < 0:
+            raise CliError("--devices must be 0 or more", EXIT_USAGE)
+        return None, n
+    count = 0
+    for part in text.split(","):
+        kind, _, arg = part.strip().partition(":")
+        if kind in ("simulated", "local") and arg.strip().isdigit():
+            count += int(arg)
+    return text, max(count, 1)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """The whole system on one machine: PostgreSQL and NATS (embedded unless given),
     the control plane in this process, one local agent with simulated devices as a
@@ -137,8 +166,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     demo tasks in a live table. Ctrl-C stops everything in reverse order."""
     eventloop.checked_factory(_usage_error)
     settings = from_args(args)
-    if args.devices < 0:
-        raise CliError("--devices must be 0 or more", EXIT_USAGE)
+    device_spec, device_count = up_devices(str(args.devices))
+    if device_spec is not None:
+        from fleetlease.hostagent.sources import device_manager_from_specs
+
+        try:
+            device_manager_from_specs([device_spec])  # checks the spec; runs nothing
+        except ValueError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
+    workflows = str(Path(args.workflows).resolve()) if args.workflows else None
+    if workflows is not None and not Path(workflows).is_dir():
+        raise CliError(f"--workflows {args.workflows}: not a directory", EXIT_USAGE)
     try:
         ensure_state_dir(settings.state_dir)
         log_dir = settings.state_dir / "logs"
@@ -158,7 +196,10 @@ def cmd_up(args: argparse.Namespace) -> int:
                 system = LocalSystem(
                     settings=settings,
                     services=services,
-                    devices=args.devices,
+                    devices=device_count,
+                    device_spec=device_spec,
+                    workflows=workflows,
+                    goal_command=args.goal_command,
                     demo=args.demo,
                     stop=stop,
                     log_dir=log_dir,
@@ -220,6 +261,10 @@ class LocalSystem:
     devices: int
     demo: bool
     stop: threading.Event
+    #: The agent's ``--devices`` (default: ``simulated:<devices>``).
+    device_spec: str | None = None
+    workflows: str | None = None
+    goal_command: str | None = None
     log_dir: Path
     service: Any = None
     agent: asyncio.subprocess.Process | None = None
@@ -357,11 +402,13 @@ class LocalSystem:
             "--nats-url",
             self.services.nats_url,
             "--devices",
-            f"simulated:{self.devices}",
+            self.device_spec or f"simulated:{self.devices}",
             "--state-dir",
             str(self.state_dir),
             "--prefix",
             self.settings.prefix,
+            *(["--workflows", self.workflows] if self.workflows else []),
+            *(["--goal-command", self.goal_command] if self.goal_command else []),
         ]
 
     async def start_agent(self) -> None:

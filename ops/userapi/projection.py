@@ -112,6 +112,9 @@ def project_task(raw: Mapping[str, Any], *, with_attempts: bool = True) -> dict[
         "finished_at": plain(raw.get("finished_at")),
         "request_id": plain(raw.get("request_id")),
     }
+    if with_attempts:
+        # Why a waiting task is not assigned, when it is known (null otherwise).
+        out["waiting_reason"] = plain(raw.get("waiting_reason"))
     attempts = raw.get("attempts")
     if not with_attempts:
         # A list's page cursor: the tasks listed after this one.
@@ -137,6 +140,9 @@ def project_host(raw: Mapping[str, Any]) -> dict[str, Any]:
         "session_generation": plain(raw.get("session_generation")),
         "devices": plain(devices) if devices is not None else 0,
         "revoked": bool(raw.get("revoked") or raw.get("revoked_at")),
+        # Null: the host takes any workflow (it does not say which it serves).
+        "workflows": plain(raw.get("workflows")),
+        "goal_runner": plain(raw.get("goal_runner")),
     }
 
 

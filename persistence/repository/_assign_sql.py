@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from fleetlease.persistence.errors import Invalid
+from fleetlease.persistence.matching import serves_workflow
 from fleetlease.persistence.model import Assignment, TaskState
 from fleetlease.persistence.repository._sql import _WAITING, UUIDT, _arr_param, _unnest_params
 from fleetlease.persistence.repository._validate import _check_int
@@ -37,7 +38,7 @@ def _free_devices_sub(*, caps_text: bool = False) -> Any:
     if caps_text:
         caps = sa.cast(devices.c.capabilities, sa.Text).label("caps")
     return (
-        sa.select(devices.c.host_id, devices.c.device_id, caps)
+        sa.select(devices.c.host_id, devices.c.device_id, caps, hosts.c.workflows)
         .join(hosts, hosts.c.host_id == devices.c.host_id)
         .where(
             devices.c.state == "idle",
@@ -77,6 +78,7 @@ class _FreeDevice:
     host_id: str
     device_id: str
     capabilities: dict[str, Any]
+    workflows: list[str] | None = None
 
     @staticmethod
     def load(rows: Sequence[Any]) -> list[_FreeDevice]:
@@ -86,7 +88,7 @@ class _FreeDevice:
             caps = decoded.get(r.caps)
             if caps is None:
                 caps = decoded[r.caps] = json.loads(r.caps) if r.caps else {}
-            out.append(_FreeDevice(r.host_id, r.device_id, caps))
+            out.append(_FreeDevice(r.host_id, r.device_id, caps, r.workflows))
         return out
 
 
@@ -109,7 +111,7 @@ def _rank_candidates_stmt() -> Any:
     # a ranking's cost would grow with the reserved part of the fleet.
     free_caps = (
         _free_devices_sub()
-        .with_only_columns(devices.c.capabilities)
+        .with_only_columns(devices.c.capabilities, hosts.c.workflows)
         .distinct()
         .cte("free_caps")
         .prefix_with("MATERIALIZED")
@@ -120,7 +122,10 @@ def _rank_candidates_stmt() -> Any:
             tasks.c.project == projects.c.name,
             sa.text("tasks.status IN ('queued', 'retrying')"),
             tasks.c.eligible_at <= now,
-            sa.exists().where(free_caps.c.capabilities.contains(tasks.c.selector)),
+            sa.exists().where(
+                free_caps.c.capabilities.contains(tasks.c.selector),
+                serves_workflow(tasks.c.workflow, free_caps.c.workflows),
+            ),
         )
         .order_by(tasks.c.priority.desc(), tasks.c.seq)
         .limit(sa.bindparam("scan", type_=sa.Integer))
@@ -148,7 +153,14 @@ def _lock_candidates_stmt() -> Any:
     out too."""
     ids = _arr_param("ids", UUIDT)
     return (
-        sa.select(tasks.c.id, tasks.c.status, tasks.c.attempt, tasks.c.selector, tasks.c.project)
+        sa.select(
+            tasks.c.id,
+            tasks.c.status,
+            tasks.c.attempt,
+            tasks.c.selector,
+            tasks.c.project,
+            tasks.c.workflow,
+        )
         .where(
             tasks.c.id == sa.any_(ids),
             sa.or_(*[tasks.c.status == w for w in _WAITING]),

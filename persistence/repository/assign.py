@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from fleetlease.persistence.errors import Conflict, Invalid, RepositoryError
+from fleetlease.persistence.matching import host_serves
 from fleetlease.persistence.model import Assignment, Claimed, Session
 from fleetlease.persistence.repository._assign_sql import (
     _assignment,
@@ -274,6 +275,8 @@ class AssignMixin(LeaseMixin):
                     dev = free[i]
                     caps = dev.capabilities or {}
                     if not all(caps.get(k) == v for k, v in selector):
+                        continue
+                    if not host_serves(dev.workflows, task.workflow):
                         continue
                     pick = i
                     if prefer is not None:

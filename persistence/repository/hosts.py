@@ -14,7 +14,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from fleetlease.persistence import credentials
 from fleetlease.persistence.errors import Conflict, Invalid, NotFound, Unauthorized
-from fleetlease.persistence.model import DeviceSnapshot, EndReason, Expired, Session
+from fleetlease.persistence.matching import advert_params, advert_stmt
+from fleetlease.persistence.model import DeviceSnapshot, EndReason, Expired, HostAdvert, Session
 from fleetlease.persistence.repository._sql import (
     _ACTIVE,
     _FENCE_COLUMNS,
@@ -184,10 +185,20 @@ class HostMixin(ExpiryMixin):
 
         return await self._tx("current_generation", run, autocommit=True, driver=True)
 
-    async def heartbeat(self, session: Session, devices: Sequence[DeviceSnapshot]) -> None:
-        """Refresh last_seen and replace only this host's device records."""
+    async def heartbeat(
+        self,
+        session: Session,
+        devices: Sequence[DeviceSnapshot],
+        advert: HostAdvert | None = None,
+    ) -> None:
+        """Refresh last_seen and replace only this host's device records; with
+        ``advert``, store what the host serves (see ``persistence.matching``)."""
         _check_session(session)
         snapshot = _check_devices(devices)
+        try:
+            advertised = None if advert is None else advert_params(session.host_id, advert)
+        except ValueError as exc:
+            raise Invalid(str(exc), field="workflows") from None
 
         async def run(conn: AsyncConnection, now: datetime) -> None:
             seen = (
@@ -202,6 +213,8 @@ class HostMixin(ExpiryMixin):
             ).first()
             if seen is None:
                 raise _unauthorized(session)
+            if advertised is not None:
+                await conn.execute(_prebuilt("host_advert", advert_stmt), advertised)
             await self._replace_devices(conn, now, session.host_id, snapshot)
 
         await self._tx("heartbeat", run, driver=True)

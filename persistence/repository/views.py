@@ -189,6 +189,8 @@ class ViewMixin(UserMixin):
                         hosts.c.last_seen,
                         hosts.c.session_generation,
                         hosts.c.revoked_at,
+                        hosts.c.workflows,
+                        hosts.c.goal_runner,
                         _live_host(now, self.timings.liveness_s).label("live"),
                         count.label("devices"),
                     ).order_by(hosts.c.host_id)
@@ -202,6 +204,8 @@ class ViewMixin(UserMixin):
                     "session_generation": r.session_generation,
                     "revoked": r.revoked_at is not None,
                     "devices": r.devices,
+                    "workflows": r.workflows,
+                    "goal_runner": r.goal_runner,
                 }
                 for r in rows
             ]

@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +104,8 @@ class Processes:
         devices: str = "simulated:1",
         failpoints: str = "",
         grace_s: float = 5.0,
+        extra_args: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
     ) -> AgentProcess:
         env = {
             k: v
@@ -113,6 +115,7 @@ class Processes:
         env["PYTHONPATH"] = str(REPO)
         if failpoints:
             env["FLEETLEASE_AGENT_FAILPOINTS"] = failpoints
+        env.update(extra_env or {})
         log_path = self.tmp / f"{host_id}-run{len(self.running)}.log"
         argv = [
             sys.executable,
@@ -137,6 +140,7 @@ class Processes:
             "0",
             "--grace-s",
             str(grace_s),
+            *extra_args,
         ]
         with open(log_path, "wb") as log_file:
             proc = subprocess.Popen(

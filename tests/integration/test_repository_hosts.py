@@ -158,6 +158,8 @@ async def test_host_reports_devices_and_they_appear_in_the_pool_with_last_seen_r
         "session_generation": 1,
         "revoked": False,
         "devices": 2,
+        "workflows": None,
+        "goal_runner": None,
     }
     assert await world.repo.list_devices() == [
         {

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -72,10 +72,10 @@ class Up:
     log: Path
     proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, *, demo: bool = False) -> None:
+    def start(self, *, demo: bool = False, extra: Sequence[str] = ()) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
         argv = [sys.executable, "-m", "fleetlease.ops.cli", "up"]
-        argv += ["--state-dir", str(self.state_dir)]
+        argv += ["--state-dir", str(self.state_dir), *extra]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [*argv, "--demo"] if demo else argv,
@@ -274,3 +274,48 @@ def test_up_demo_shows_tasks_done_failed_retried_and_cancelled(
     # Without a terminal the demo prints one line per state change.
     out = up.log.read_text()
     assert " retrying " in out and " cancelled " in out
+
+
+README_WORKFLOW = """\
+name: hello
+inputs:
+  who: {type: string, required: true}
+steps:
+  - name: greet
+    run: echo "hello $FLEETLEASE_INPUT_WHO"
+  - name: report
+    run: echo "greeted $FLEETLEASE_INPUT_WHO" > "$FLEETLEASE_ARTIFACTS/report.txt"
+"""
+
+
+def test_the_readme_workflow_tutorial(
+    up: Up, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fl(*argv: str) -> Run:
+        return fleetlease(capsys, up.state_dir, *argv)
+
+    workflows = tmp_path / "workflows"
+    workflows.mkdir()
+    (workflows / "hello.yml").write_text(README_WORKFLOW)
+    up.start(extra=["--devices", "local:2", "--workflows", str(workflows)])
+    up.wait_ready()
+    [host] = wait_for(
+        lambda: fl("hosts", "--json"),
+        lambda r: r.code == 0 and any(h["live"] and h["devices"] == 2 for h in json.loads(r.out)),
+        60,
+        "the local host live with 2 devices",
+    ).json()
+    assert host["workflows"] == ["hello"]
+
+    payload = '{"inputs": {"who": "world"}}'
+    task_id = fl("submit", "--workflow", "hello", "--payload", payload, "--json").json()["id"]
+    followed = fl("logs", task_id, "--follow")
+    assert followed.code == 0 and "hello world" in followed.out
+    assert fl("task", "show", task_id, "--json").json()["state"] == "done"
+    monkeypatch.chdir(tmp_path)
+    got = wait_for(
+        lambda: fl("artifacts", task_id, "--get", "report.txt"), lambda r: r.code == 0, 30,
+        "the artifact downloaded",
+    )  # fmt: skip
+    assert got.code == 0 and (tmp_path / "report.txt").read_text() == "greeted world\n"
+    assert up.interrupt() == 0, up.log.read_text()

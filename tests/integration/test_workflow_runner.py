@@ -82,7 +82,9 @@ async def wait_for(cond: object, timeout: float = 20.0) -> None:
 
 
 async def test_steps_log_write_artifacts_report_fields_and_end_done(tmp_path: Path) -> None:
-    wf = define(tmp_path, """\
+    wf = define(
+        tmp_path,
+        """\
 name: build
 steps:
   - name: one
@@ -96,7 +98,8 @@ steps:
     artifacts: ["reports/*.xml"]
   - name: two
     run: echo "step $FLEETLEASE_STEP of $FLEETLEASE_WORKFLOW on $FLEETLEASE_DEVICE_ID"
-""")
+""",
+    )
     sink = Sink()
     out = await runner(tmp_path, wf).run(sink.context("build"))
     assert out == RunOutcome.done(result={"version": "1.2.3"})
@@ -109,14 +112,17 @@ steps:
 
 
 async def test_a_failing_step_fails_with_its_exit_code_and_last_lines(tmp_path: Path) -> None:
-    wf = define(tmp_path, """\
+    wf = define(
+        tmp_path,
+        """\
 name: w
 steps:
   - name: bad
     run: "for i in 1 2 3; do echo line $i; done; exit 3"
   - name: never
     run: touch never-ran
-""")
+""",
+    )
     sink = Sink()
     out = await runner(tmp_path, wf).run(sink.context("w"))
     assert out.outcome is Outcome.FAILED and not out.retryable
@@ -133,12 +139,15 @@ async def test_a_retryable_exit_code_is_a_retryable_failure(tmp_path: Path) -> N
 
 
 async def test_continue_on_error_records_the_failure_and_goes_on(tmp_path: Path) -> None:
-    wf = define(tmp_path, """\
+    wf = define(
+        tmp_path,
+        """\
 name: w
 steps:
   - {name: flaky, run: exit 1, continue-on-error: true}
   - {name: after, run: echo after}
-""")
+""",
+    )
     sink = Sink()
     out = await runner(tmp_path, wf).run(sink.context("w"))
     assert out.outcome is Outcome.DONE
@@ -147,13 +156,16 @@ steps:
 
 
 async def test_inputs_reach_steps_as_environment_only_and_stay_inert(tmp_path: Path) -> None:
-    wf = define(tmp_path, """\
+    wf = define(
+        tmp_path,
+        """\
 name: w
 inputs:
   name: {type: string, required: true}
 steps:
   - run: 'echo "got $FLEETLEASE_INPUT_NAME"; ls'
-""")
+""",
+    )
     sink = Sink()
     evil = "$(touch owned); rm -rf ~ `touch owned2` && touch owned3"
     out = await runner(tmp_path, wf).run(sink.context("w", {"inputs": {"name": evil}}))
@@ -189,7 +201,9 @@ async def test_the_agents_secrets_never_reach_a_step(tmp_path: Path) -> None:
 
 async def test_cancel_ends_the_step_and_every_process_it_started(tmp_path: Path) -> None:
     pids = tmp_path / "pids"
-    wf = define(tmp_path, f"""\
+    wf = define(
+        tmp_path,
+        f"""\
 name: w
 steps:
   - run: |
@@ -199,7 +213,8 @@ steps:
       echo $$ >> {pids}
       echo started
       wait
-""")
+""",
+    )
     sink = Sink()
     ctx = sink.context("w")
     task = asyncio.create_task(runner(tmp_path, wf).run(ctx))

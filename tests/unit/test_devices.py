@@ -231,7 +231,12 @@ def test_adb_manager_snapshot_is_empty_until_refreshed() -> None:
     assert manager.snapshot() == []
     assert manager.refresh() is True
 
-    assert fake.calls == [["/opt/adb", "devices", "-l"]]
+    # The list, then one getprop per device ready for work.
+    assert fake.calls == [
+        ["/opt/adb", "devices", "-l"],
+        ["/opt/adb", "-s", "192.168.1.20:5555", "shell", "getprop"],
+        ["/opt/adb", "-s", "emulator-5554", "shell", "getprop"],
+    ]
     assert len(manager.snapshot()) == 5
 
 

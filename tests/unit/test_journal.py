@@ -670,3 +670,20 @@ async def test_journal_thread_stop_runs_what_is_queued_and_a_later_call_starts_a
     finally:
         await jt.stop()
         journal.close()
+
+
+def test_process_groups_are_recorded_per_entry_and_cleared(journal: Journal) -> None:
+    journal.add(record("t1"))
+    journal.add(record("t2"))
+
+    journal.add_group("t1", 1, 4242, 99)
+    journal.add_group("t1", 1, 4243, None)
+    journal.add_group("gone", 1, 1, 1)  # no such entry: nothing happens
+
+    entry = journal.get("t1", 1)
+    assert entry is not None and entry.groups == ((4242, 99), (4243, None))
+    other = journal.get("t2", 1)
+    assert other is not None and other.groups == ()
+    journal.clear_groups("t1", 1)
+    cleared = journal.get("t1", 1)
+    assert cleared is not None and cleared.groups == ()

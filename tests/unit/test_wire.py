@@ -476,3 +476,16 @@ def test_a_register_carries_exactly_one_of_credential_or_proof() -> None:
     proof = Register(host_id="h1", proof=b"p" * 64, ts_ms=1, nonce=b"n" * 16)
     assert "credential" not in proof.to_body()
     assert "p" * 8 not in repr(proof)
+
+
+def test_a_heartbeat_without_an_advert_decodes_as_any_workflow() -> None:
+    from fleetlease.transport import wire
+
+    old = wire.Heartbeat(devices=[])
+    again = wire.decode(wire.encode(old)).msg
+    assert isinstance(again, wire.Heartbeat)
+    assert again.workflows is None and again.goal_runner == ""
+    new = wire.Heartbeat(devices=[], workflows=["build", "smoke"], goal_runner="command-goal")
+    back = wire.decode(wire.encode(new)).msg
+    assert isinstance(back, wire.Heartbeat)
+    assert (back.workflows, back.goal_runner) == (["build", "smoke"], "command-goal")

@@ -44,6 +44,8 @@ from fleetlease.transport.wire.codec import (
     wired,
 )
 
+#: Workflows one host may advertise.
+MAX_WORKFLOWS = 1000
 _DEVICE_STATES = frozenset({"idle", "busy", "offline"})
 _VERDICTS = frozenset({"confirmed", "discard"})
 
@@ -128,10 +130,13 @@ class Device(Record):
 
 @record
 class Heartbeat(Message):
-    """The host's complete device snapshot."""
+    """The host's complete device snapshot, and what it runs: the workflows it
+    serves (absent: any workflow, as a simulated runner) and its goal runner."""
 
     TYPE: ClassVar[str] = "heartbeat"
     devices: list[Device] = wired(Records(Device, MAX_DEVICES), default_factory=list)
+    workflows: list[str] | None = wired(StrList(MAX_WORKFLOWS), omit_none=True, default=None)
+    goal_runner: str = wired(Text(max_len=MAX_NAME_LEN), default="")
 
 
 @record
