@@ -56,13 +56,17 @@ FULL: list[tuple[wire.Message, dict[str, Any]]] = [
             devices=[
                 wire.Device(device_id="d1", state="busy", capabilities={"os": "android"}),
                 wire.Device(device_id="d2", state="offline", capabilities={}),
-            ]
+            ],
+            workflows=["build", "smoke"],
+            goal_runner="command",
         ),
         {
             "devices": [
                 {"device_id": "d1", "state": "busy", "capabilities": {"os": "android"}},
                 {"device_id": "d2", "state": "offline", "capabilities": {}},
-            ]
+            ],
+            "workflows": ["build", "smoke"],
+            "goal_runner": "command",
         },
     ),
     (
