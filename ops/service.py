@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from fleetlease.ops.observe import attach as observe
 from fleetlease.persistence.clock import Clock, SystemClock
 from fleetlease.persistence.db import create_engine
 from fleetlease.persistence.migrate import upgrade_engine
@@ -90,6 +91,10 @@ class ControlPlaneService:
     #: Artifact staging limits (``transport.staging.StagingLimits``; its
     #: defaults when None).
     staging: Any = None
+    #: HOST:PORT of ``/metrics``, ``/healthz`` and ``/readyz`` (``ops/observe``;
+    #: None: no listener). ``metrics_optional``: a bind failure is logged, not raised.
+    metrics: str | None = None
+    metrics_optional: bool = False
 
     engine: AsyncEngine | None = None
     repo: Repository | None = None
@@ -97,6 +102,7 @@ class ControlPlaneService:
     server: Any = None
     ops: Any = None
     broker_auth: Any = None
+    observer: Any = None
 
     async def start(self) -> ControlPlaneService:
         from fleetlease.actors.runtime import ControlPlane
@@ -137,6 +143,10 @@ class ControlPlaneService:
                 staging=self.staging,
             )
             await self.server.start()
+            if self.metrics:
+                self.observer = observe.for_service(
+                    self, self.metrics, optional=self.metrics_optional
+                )
         except BaseException:
             await self.stop()
             raise
@@ -177,6 +187,9 @@ class ControlPlaneService:
         (the queue group's other members get them); the control plane releases
         parked long-polls, lets the requests in flight commit and stops its
         actors; the server sends the last replies and closes its connections."""
+        if self.observer is not None:
+            await asyncio.to_thread(self.observer.stop)
+            self.observer = None
         if self.ops is not None and hasattr(self.ops, "close"):
             self.ops.close()  # parked `events` long-polls answer now
         if self.server is not None:

@@ -61,6 +61,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
 
+from fleetlease.ops.observe import metrics
 from fleetlease.persistence.clock import Clock, SystemClock
 from fleetlease.persistence.errors import (
     Conflict,
@@ -356,6 +357,7 @@ class Server:
     async def _connect(self, name: str, options: dict[str, Any] | None = None) -> NatsClient:
         async def on_error(exc: Exception) -> None:
             log.warning("nats_error", connection=name, error=str(exc) or type(exc).__name__)
+            metrics.nats_error(name, exc)
 
         async def on_disconnect() -> None:
             log.warning("nats_disconnected", connection=name)
@@ -522,6 +524,7 @@ class Server:
             return await handler(msg, may_wait)
         except (wire.DecodeError, AuthError, RepositoryError) as exc:
             code = exc.code
+            metrics.request_error(msg.subject, code)
             log.info(
                 "request_refused",
                 subject=msg.subject,
@@ -534,6 +537,7 @@ class Server:
             raise
         except Exception:
             log.exception("handler_failed", subject=msg.subject)
+            metrics.request_error(msg.subject, "internal")
             return _error("internal", "internal error")
 
     # --- host messages -----------------------------------------------------------

@@ -20,6 +20,7 @@ import structlog
 
 from fleetlease.ops import eventloop, interpreter
 from fleetlease.ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError, add_common
+from fleetlease.ops.commands.status import add_metrics_flag, metrics_from_args
 from fleetlease.ops.config import ensure_state_dir, from_args, write_context
 from fleetlease.ops.logging import configure_logging
 from fleetlease.ops.system import (
@@ -49,6 +50,7 @@ def register(sub: Any) -> None:
         metavar="HOST:PORT",
         help="where to serve the web console (default 127.0.0.1:8080; 'off' for none)",
     )
+    add_metrics_flag(p, default_on=True)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("serve", help="run the control plane (actors + NATS handlers)")
@@ -72,6 +74,7 @@ def register(sub: Any) -> None:
         help="secured broker: lifetime of the NATS authorizations the callout issues; "
         "every connection re-proves its host or user this often (default 300)",
     )
+    add_metrics_flag(p, default_on=True)
     p.set_defaults(func=cmd_serve)
 
 
@@ -139,6 +142,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     settings = from_args(args)
     if args.devices < 0:
         raise CliError("--devices must be 0 or more", EXIT_USAGE)
+    metrics, metrics_optional = metrics_from_args(args, default_on=True)
     try:
         ensure_state_dir(settings.state_dir)
         log_dir = settings.state_dir / "logs"
@@ -163,6 +167,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                     stop=stop,
                     log_dir=log_dir,
                     web=None if args.web == "off" else args.web,
+                    metrics=metrics,
+                    metrics_optional=metrics_optional,
                 )
                 try:
                     interpreter.tune()
@@ -228,6 +234,9 @@ class LocalSystem:
     console: Any = None
     admin_token: str = ""
     admin_name: str = ADMIN_USER
+    #: HOST:PORT of the metrics listener (None: none); see ``ops/observe``.
+    metrics: str | None = None
+    metrics_optional: bool = False
 
     @property
     def state_dir(self) -> Path:
@@ -251,6 +260,8 @@ class LocalSystem:
             prefix=self.settings.prefix,
             migrate=False,
             broker_security=self.services.broker_security,
+            metrics=self.metrics,
+            metrics_optional=self.metrics_optional,
         )
         stopped = asyncio.ensure_future(asyncio.to_thread(self.stop.wait))
         try:
@@ -340,6 +351,7 @@ class LocalSystem:
                 "admin_user": self.admin_name,
                 "admin_token_path": str(self.admin_token_path),
                 "pid": os.getpid(),
+                "metrics_url": self.service.observer.url if self.service.observer else None,
             },
         )
 
@@ -448,6 +460,8 @@ class LocalSystem:
         print(f"  admin          user {self.admin_name}, token in {self.admin_token_path}")
         if self.console is not None:
             print(f"  web console    {self.console.url} (sign in with the admin token)")
+        if self.service.observer is not None:
+            print(f"  metrics        {self.service.observer.url}/metrics (/healthz, /readyz)")
         print(f"  context        {context}")
         print(f"  logs           {self.log_dir}")
         if not self.demo:
@@ -598,6 +612,7 @@ async def run_control_plane(
     on_ready: Any = None,
     heartbeat_s: float = 5.0,
     broker_jwt_expires_s: float = 300.0,
+    metrics: tuple[str | None, bool] = (None, False),
 ) -> None:
     from fleetlease.ops.service import ControlPlaneService, install_chaos_hook
 
@@ -612,6 +627,8 @@ async def run_control_plane(
         heartbeat_s=heartbeat_s,
         broker_security=services.broker_security,
         broker_jwt_expires_s=broker_jwt_expires_s,
+        metrics=metrics[0],
+        metrics_optional=metrics[1],
     )
     await service.start()
     try:
@@ -648,6 +665,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = from_args(args)
     configure_logging(debug=settings.debug, cache=True)
     timings = timings_from_args(args)
+    metrics = metrics_from_args(args, default_on=True)
     try:
         ensure_state_dir(settings.state_dir)
         asyncio.run(_serve_precheck(settings))
@@ -667,6 +685,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     stop,
                     heartbeat_s=args.heartbeat_s,
                     broker_jwt_expires_s=args.broker_jwt_expiry_s,
+                    metrics=metrics,
                 )
             )
     except (AlreadyRunning, Unreachable) as exc:
