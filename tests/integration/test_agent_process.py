@@ -104,6 +104,7 @@ class Processes:
         devices: str = "simulated:1",
         failpoints: str = "",
         grace_s: float = 5.0,
+        extra: tuple[str, ...] = (),
     ) -> AgentProcess:
         env = {
             k: v
@@ -137,6 +138,7 @@ class Processes:
             "0",
             "--grace-s",
             str(grace_s),
+            *extra,
         ]
         with open(log_path, "wb") as log_file:
             proc = subprocess.Popen(

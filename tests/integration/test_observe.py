@@ -11,7 +11,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -28,10 +28,12 @@ from fleetlease.transport import wire
 from fleetlease.transport.client import HostClient
 from fleetlease.transport.subjects import Subjects
 from tests.inbox import request as principal_request
+from tests.integration.test_agent import ADMIN, make_system
+from tests.integration.test_agent_process import Processes, procs
 from tests.integration.test_serve import Serve, host, repo, serve_args, spawn
 
 pytestmark = pytest.mark.embedded
-__all__ = ["repo"]  # the fixture, shared with test_serve
+__all__ = ["make_system", "procs", "repo"]  # fixtures of the other integration tests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -321,3 +323,33 @@ async def test_readyz_and_status_follow_the_database(
     # Nothing listens any more: unavailable.
     code, out = await run_status("--metrics-url", url)
     assert code == 6 and "cannot reach" in out, out
+
+
+async def test_an_agent_serves_its_metrics_and_readiness_with_metrics_flag(
+    procs: Callable[..., Awaitable[Processes]],
+) -> None:
+    p = await procs()
+    system = p.system
+    await system.add_host("h-m")
+    agent = p.spawn("h-m", devices="simulated:2", extra=("--metrics", "127.0.0.1:0"))
+    url = str((await agent.wait_event("metrics_listening"))["url"])
+    await agent.wait_event("agent_registered")
+    await until_ready(url, True)
+    async with httpx.AsyncClient(timeout=30) as client:
+        assert (await client.get(f"{url}/healthz")).status_code == 200
+
+    task_id = await system.submit({"outcome": "hang"})
+    await system.wait_state(task_id, "running")
+    samples = await until(
+        url, lambda s: value(s, "fleetlease_agent_attempts") == 1, "the agent's running attempt"
+    )
+    assert value(samples, "fleetlease_agent_registered") == 1
+    assert value(samples, "fleetlease_agent_registrations_total") >= 1
+    assert value(samples, "fleetlease_agent_assignments_total") >= 1
+    assert sum(v for (n, _), v in samples.items() if n == "fleetlease_agent_devices") == 2
+    assert value(samples, "process_resident_memory_bytes") > 0
+
+    await system.cp.cancel(task_id, ADMIN)
+    await system.wait_state(task_id, "cancelled")
+    agent.proc.send_signal(signal.SIGTERM)
+    assert await agent.wait_exit() == 0
