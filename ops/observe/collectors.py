@@ -25,12 +25,17 @@ log = structlog.get_logger("fleetlease.observe")
 
 T = TypeVar("T")
 
-#: The one statement of a scrape: tasks by state and project, devices by state,
-#: hosts by state (revoked; live: seen within the liveness window; stale).
+#: The one statement of a scrape: tasks that are not finished by state and
+#: project (through the status index, so its cost follows the tasks in flight,
+#: not the history: finished tasks are counted by
+#: ``fleetlease_task_transitions_total``), devices by state, hosts by state
+#: (revoked; live: seen within the liveness window; stale).
 STATE_COUNTS = sa.text(
     """
     SELECT 'task' AS what, status AS state, project, count(*) AS n
-      FROM tasks GROUP BY status, project
+      FROM tasks
+     WHERE status IN ('queued', 'retrying', 'assigned', 'dispatched', 'running')
+     GROUP BY status, project
     UNION ALL
     SELECT 'device', state, '', count(*) FROM devices GROUP BY state
     UNION ALL
@@ -144,7 +149,8 @@ class ControlPlaneCollector(Collector):
             return
         tasks = GaugeMetricFamily(
             "fleetlease_tasks",
-            "Tasks in the database, by state and project.",
+            "Tasks not finished (queued, retrying, assigned, dispatched, running), "
+            "by state and project.",
             labels=["state", "project"],
         )
         hosts = GaugeMetricFamily("fleetlease_hosts", "Hosts by state.", labels=["state"])

@@ -180,7 +180,7 @@ async def test_metrics_move_as_tasks_run_and_their_labels_stay_bounded(
             url,
             lambda s: (
                 value(s, "fleetlease_lease_expiries_total", reason="ack_expired") >= 1
-                and value(s, "fleetlease_tasks", state="done", project="default") == 1
+                and value(s, "fleetlease_task_transitions_total", state="done") >= 1
             ),
             "the ack expiry and the done task",
         )
