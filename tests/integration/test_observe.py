@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -353,3 +354,21 @@ async def test_an_agent_serves_its_metrics_and_readiness_with_metrics_flag(
     await system.wait_state(task_id, "cancelled")
     agent.proc.send_signal(signal.SIGTERM)
     assert await agent.wait_exit() == 0
+
+
+async def test_serve_with_a_metrics_address_in_use_exits_6_with_one_line(
+    db_url: str, nats_url: str, subject_prefix: str, state_dir: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        s = await spawn(
+            *serve_args(db_url, nats_url, subject_prefix, state_dir),
+            "--metrics", f"127.0.0.1:{port}",
+        )  # fmt: skip
+        code = await s.wait()
+    err = "\n".join(s.stderr)
+    assert code == 6, err
+    assert f"cannot listen on --metrics 127.0.0.1:{port}" in err
+    assert "Traceback" not in err
