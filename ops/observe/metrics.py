@@ -115,6 +115,13 @@ SLOW_CONSUMERS = Counter(
 )
 
 
+# The children of the hot calls, bound once (``labels()`` takes a lock and hashes).
+_TRANSITION_OF = {s: TRANSITIONS.labels(s) for s in (*_STATES, "other")}
+_COMMIT_OF = {
+    k: (COMMIT_SECONDS.labels(k), COMMIT_GROUP_SIZE.labels(k)) for k in (*_BATCH_KINDS, "other")
+}
+
+
 def _bounded(value: str, allowed: frozenset[str]) -> str:
     return value if value in allowed else "other"
 
@@ -153,9 +160,9 @@ def nats_error(connection: str, exc: BaseException) -> None:
 
 def group_committed(kind: str, size: int, started: float) -> None:
     """A group commit of ``size`` items, begun at ``time.perf_counter()`` ``started``."""
-    kind = _bounded(kind, _BATCH_KINDS)
-    COMMIT_SECONDS.labels(kind).observe(time.perf_counter() - started)
-    COMMIT_GROUP_SIZE.labels(kind).observe(size)
+    seconds, sizes = _COMMIT_OF.get(kind) or _COMMIT_OF["other"]
+    seconds.observe(time.perf_counter() - started)
+    sizes.observe(size)
 
 
 class _RetryReasons:
@@ -207,7 +214,7 @@ class EventMetrics:
         task_id = event.get("task_id")
         if not isinstance(state, str) or not isinstance(task_id, str):
             return
-        TRANSITIONS.labels(_bounded(state, _STATES)).inc()
+        (_TRANSITION_OF.get(state) or _TRANSITION_OF["other"]).inc()
         now = self._clock()
         previous = self._since.pop(task_id, None)
         if state == TaskState.ASSIGNED:
