@@ -100,6 +100,9 @@ class ControlPlaneCollector(Collector):
             memory["inflight"] = m.get("inflight", 0)
             waiters = getattr(cp, "_waiters", {})
             memory["parked"] = sum(len(w) for w in waiters.values())
+        broker = self.service.broker_auth
+        if broker is not None:
+            memory["broker"] = {"granted": broker.granted, "refused": broker.refused}
         rows: list[tuple[Any, ...]] | None = None
         engine = self.service.engine
         if engine is not None:
@@ -145,6 +148,16 @@ class ControlPlaneCollector(Collector):
             )
             renewals.add_metric([], memory["renewals"])
             yield renewals
+        if "broker" in memory:
+            decisions = CounterMetricFamily(
+                "fleetlease_broker_auth_decisions",
+                "Connections the NATS auth callout of this process decided, by decision "
+                "(a refused one is an unknown, revoked or wrong host or user).",
+                labels=["decision"],
+            )
+            for decision, n in sorted(memory["broker"].items()):
+                decisions.add_metric([decision], n)
+            yield decisions
         if rows is None:
             return
         tasks = GaugeMetricFamily(
