@@ -173,8 +173,12 @@ class _RetryReasons:
 
     def __init__(self) -> None:
         self._by_attempt: dict[tuple[str, int], str] = {}
+        #: Set by the first ``EventMetrics``: until then nobody takes them out.
+        self.enabled = False
 
     def put(self, task_id: str, attempt: int, reason: str) -> None:
+        if not self.enabled:
+            return
         if len(self._by_attempt) >= self.LIMIT:
             self._by_attempt.pop(next(iter(self._by_attempt)), None)
         self._by_attempt[(task_id, attempt)] = reason
@@ -208,6 +212,7 @@ class EventMetrics:
         self.limit = limit
         self._clock = clock
         self._since: dict[str, tuple[str, float]] = {}
+        RETRY_REASONS.enabled = True
 
     def __call__(self, event: dict[str, Any]) -> None:
         state = event.get("state")
