@@ -187,9 +187,6 @@ class ControlPlaneService:
         (the queue group's other members get them); the control plane releases
         parked long-polls, lets the requests in flight commit and stops its
         actors; the server sends the last replies and closes its connections."""
-        if self.observer is not None:
-            await asyncio.to_thread(self.observer.stop)
-            self.observer = None
         if self.ops is not None and hasattr(self.ops, "close"):
             self.ops.close()  # parked `events` long-polls answer now
         if self.server is not None:
@@ -213,6 +210,10 @@ class ControlPlaneService:
             with contextlib.suppress(Exception):
                 await self.broker_auth.stop()
             self.broker_auth = None
+        if self.observer is not None:
+            # Last but the pool: while the rest stops, /readyz answers "not ready".
+            await asyncio.to_thread(self.observer.stop)
+            self.observer = None
         if self.engine is not None:
             await self.engine.dispose()
             self.engine = None

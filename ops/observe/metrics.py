@@ -160,9 +160,12 @@ def nats_error(connection: str, exc: BaseException) -> None:
 
 def group_committed(kind: str, size: int, started: float) -> None:
     """A group commit of ``size`` items, begun at ``time.perf_counter()`` ``started``."""
-    seconds, sizes = _COMMIT_OF.get(kind) or _COMMIT_OF["other"]
-    seconds.observe(time.perf_counter() - started)
-    sizes.observe(size)
+    try:
+        seconds, sizes = _COMMIT_OF.get(kind) or _COMMIT_OF["other"]
+        seconds.observe(time.perf_counter() - started)
+        sizes.observe(size)
+    except Exception:  # metrics never fail a commit
+        pass
 
 
 class _RetryReasons:
