@@ -23,13 +23,21 @@ from fleetlease.ops.observe.http import DEFAULT_ADDRESS, MetricsAddressError, pa
 
 ENV_METRICS_URL = "FLEETLEASE_METRICS_URL"
 STATUS_TIMEOUT_S = 10.0
+STATUS_HELP = f"""Ask a running control plane (serve or up) whether it is ready: its /readyz
+checks PostgreSQL, the schema's migrations, NATS and the actors. One line per
+check (--json: the report). Exit 0 when ready, 6 when not ready or when nothing
+answers.
+
+The listener: --metrics-url, else {ENV_METRICS_URL}, else the context file of
+the state dir (written by up), else http://{DEFAULT_ADDRESS}.
+"""
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "status",
         help="is the control plane ready? (its /readyz: database, migrations, NATS, actors)",
-        description=__doc__,
+        description=STATUS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
