@@ -14,10 +14,12 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nats
 import pytest
+import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import make_url
 
@@ -250,13 +252,13 @@ async def run_status(*args: str) -> tuple[int, str]:
     return proc.returncode, out.decode()
 
 
-async def readyz(url: str) -> tuple[int, dict[str, object]]:
+async def readyz(url: str) -> tuple[int, dict[str, Any]]:
     async with httpx.AsyncClient(timeout=30) as client:
         resp = await client.get(f"{url}/readyz")
     return resp.status_code, resp.json()
 
 
-async def until_ready(url: str, ready: bool, timeout: float = 30.0) -> dict[str, object]:
+async def until_ready(url: str, ready: bool, timeout: float = 30.0) -> dict[str, Any]:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         code, report = await readyz(url)
@@ -317,6 +319,19 @@ async def test_readyz_and_status_follow_the_database(
         await until_ready(url, True)
         code, out = await run_status("--metrics-url", url)
         assert code == 0, out
+
+        # A schema behind the code is not ready either.
+        async with service.engine.begin() as conn:
+            head = (await conn.execute(sa.text("SELECT version_num FROM alembic_version"))).scalar()
+            await conn.execute(sa.text("UPDATE alembic_version SET version_num = 'older'"))
+        report = await until_ready(url, False)
+        assert report["checks"]["migrations"]["ok"] is False
+        assert "older" in report["checks"]["migrations"]["detail"]
+        async with service.engine.begin() as conn:
+            await conn.execute(
+                sa.text("UPDATE alembic_version SET version_num = :head"), {"head": head}
+            )
+        await until_ready(url, True)
     finally:
         proxy.heal()
         await service.stop()
