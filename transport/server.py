@@ -502,6 +502,7 @@ class Server:
                     subject=msg.subject,
                     reply=msg.reply[:256],
                 )
+                metrics.request_error(msg.subject, "forbidden")  # refused, never answered
                 return
             reply = await self._answer(handler, msg, may_wait)
             state.handled += 1
