@@ -100,6 +100,8 @@ class ControlPlaneCollector(Collector):
             memory["inflight"] = m.get("inflight", 0)
             waiters = getattr(cp, "_waiters", {})
             memory["parked"] = sum(len(w) for w in waiters.values())
+            feed = getattr(self.service.ops, "feed", None)
+            memory["parked_events"] = len(getattr(feed, "_waiters", ()))
         broker = self.service.broker_auth
         if broker is not None:
             memory["broker"] = {"granted": broker.granted, "refused": broker.refused}
@@ -132,11 +134,15 @@ class ControlPlaneCollector(Collector):
                 "Lease actors of this process (one per assigned, dispatched or running task).",
                 memory["lease_actors"],
             )
-            yield _gauge(
+            parked = GaugeMetricFamily(
                 "fleetlease_parked_long_polls",
-                "Host claim long-polls parked in this process, waiting for work.",
-                memory["parked"],
+                "Long-polls parked in this process: host claims waiting for work (claim), "
+                "user event feeds waiting for events (events).",
+                labels=["kind"],
             )
+            parked.add_metric(["claim"], memory["parked"])
+            parked.add_metric(["events"], memory["parked_events"])
+            yield parked
             yield _gauge(
                 "fleetlease_requests_in_flight",
                 "Host requests the control plane of this process is handling.",

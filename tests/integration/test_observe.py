@@ -55,6 +55,8 @@ ALLOWED_LABELS: dict[str, set[str]] = {
     "fleetlease_nats_request_errors": {"code"},
     "fleetlease_refusals": {"principal_kind"},
     "fleetlease_nats_slow_consumers": {"connection"},
+    "fleetlease_parked_long_polls": {"kind"},
+    "fleetlease_broker_auth_decisions": {"decision"},
 }
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -191,7 +193,9 @@ async def test_metrics_move_as_tasks_run_and_their_labels_stay_bounded(
         parked = asyncio.ensure_future(c.claim(wait_s=20))
         try:
             await until(
-                url, lambda s: value(s, "fleetlease_parked_long_polls") >= 1, "a parked claim"
+                url,
+                lambda s: value(s, "fleetlease_parked_long_polls", kind="claim") >= 1,
+                "a parked claim",
             )
         finally:
             parked.cancel()
