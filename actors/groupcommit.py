@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
 import structlog
 
+from fleetlease.ops.observe import metrics
 from fleetlease.persistence.model import LeaseStatus
 from fleetlease.persistence.repository import Renewal, Repository, Transition
 
@@ -44,6 +46,9 @@ R = TypeVar("R")  # its outcome
 
 
 class _GroupCommit(Generic[I, R]):
+    #: The ``kind`` label of its commit metrics.
+    KIND = "transition"
+
     def __init__(
         self, repo: Repository, *, max_batch: int, max_inflight: int, linger_s: float = 0.0
     ) -> None:
@@ -102,8 +107,10 @@ class _GroupCommit(Generic[I, R]):
                 continue
             self.batches += 1
             self.items += len(batch)
+            started = time.perf_counter()
             try:
                 results = await self._commit([r for r, _ in batch])
+                metrics.group_committed(self.KIND, len(batch), started)
             except Exception as exc:
                 for _, f in batch:
                     _fail(f, exc)
@@ -125,6 +132,8 @@ class _GroupCommit(Generic[I, R]):
 
 
 class RenewBatcher(_GroupCommit[Renewal, LeaseStatus]):
+    KIND = "renew"
+
     def __init__(
         self,
         repo: Repository,

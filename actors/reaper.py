@@ -30,6 +30,7 @@ from pykka import ActorDeadError
 from fleetlease.actors import failpoints
 from fleetlease.actors.base import Context, FleetActor
 from fleetlease.actors.messages import Crash, DeadlineHint, Rebuild, Tick
+from fleetlease.ops.observe import metrics
 from fleetlease.persistence.errors import RepositoryError
 from fleetlease.persistence.model import Assignment, Expired
 
@@ -115,6 +116,7 @@ class ReaperActor(FleetActor):
         if not expired:
             return
         self.ctx.stats.incr("expired", len(expired))
+        metrics.expired(expired)
         for e in expired:
             self.ctx.sup.attempt_ended(e.task_id, e.attempt)
         self.ctx.emit(

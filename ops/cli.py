@@ -55,6 +55,7 @@ COMMAND_MODULES = [
     "fleetlease.ops.commands.bench",
     "fleetlease.ops.commands.web",
     "fleetlease.ops.commands.soak",
+    "fleetlease.ops.commands.status",
 ]
 
 EPILOG = """exit codes:

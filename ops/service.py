@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from fleetlease.ops.observe import attach as observe
 from fleetlease.persistence.clock import Clock, SystemClock
 from fleetlease.persistence.db import create_engine
 from fleetlease.persistence.migrate import upgrade_engine
@@ -92,6 +93,10 @@ class ControlPlaneService:
     staging: Any = None
     #: Per-channel limits overriding ``transport.server.DEFAULT_CHANNELS``.
     channels: Mapping[Any, Any] | None = None
+    #: HOST:PORT of ``/metrics``, ``/healthz`` and ``/readyz`` (``ops/observe``;
+    #: None: no listener). ``metrics_optional``: a bind failure is logged, not raised.
+    metrics: str | None = None
+    metrics_optional: bool = False
 
     engine: AsyncEngine | None = None
     repo: Repository | None = None
@@ -99,6 +104,7 @@ class ControlPlaneService:
     server: Any = None
     ops: Any = None
     broker_auth: Any = None
+    observer: Any = None
 
     async def start(self) -> ControlPlaneService:
         from fleetlease.actors.runtime import ControlPlane
@@ -140,6 +146,10 @@ class ControlPlaneService:
                 channels=self.channels,
             )
             await self.server.start()
+            if self.metrics:
+                self.observer = observe.for_service(
+                    self, self.metrics, optional=self.metrics_optional
+                )
         except BaseException:
             await self.stop()
             raise
@@ -203,6 +213,10 @@ class ControlPlaneService:
             with contextlib.suppress(Exception):
                 await self.broker_auth.stop()
             self.broker_auth = None
+        if self.observer is not None:
+            # Last but the pool: while the rest stops, /readyz answers "not ready".
+            await asyncio.to_thread(self.observer.stop)
+            self.observer = None
         if self.engine is not None:
             await self.engine.dispose()
             self.engine = None

@@ -38,6 +38,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from fleetlease.ops.observe import metrics
 from fleetlease.persistence.clock import Clock, SystemClock
 from fleetlease.persistence.errors import RepositoryError
 from fleetlease.persistence.model import LeaseTimings
@@ -303,6 +304,7 @@ class Server:
     async def _connect(self, name: str, options: dict[str, Any] | None = None) -> NatsClient:
         async def on_error(exc: Exception) -> None:
             log.warning("nats_error", connection=name, error=str(exc) or type(exc).__name__)
+            metrics.nats_error(name, exc)
 
         async def on_disconnect() -> None:
             log.warning("nats_disconnected", connection=name)
@@ -516,6 +518,7 @@ class Server:
                     subject=msg.subject,
                     reply=msg.reply[:256],
                 )
+                metrics.request_error(msg.subject, "forbidden")  # refused, never answered
                 return
             reply = await self._answer(handler, msg, may_wait)
             state.handled += 1
@@ -538,6 +541,7 @@ class Server:
             return await handler(msg, may_wait)
         except (wire.DecodeError, AuthError, RepositoryError) as exc:
             code = exc.code
+            metrics.request_error(msg.subject, code)
             log.info(
                 "request_refused",
                 subject=msg.subject,
@@ -550,6 +554,7 @@ class Server:
             raise
         except Exception:
             log.exception("handler_failed", subject=msg.subject)
+            metrics.request_error(msg.subject, "internal")
             return _error("internal", "internal error")
 
     # --- artifacts ---------------------------------------------------------------

@@ -25,8 +25,10 @@ from typing import Any
 from fleetlease.hostagent.config import config_default
 from fleetlease.ops import eventloop, interpreter
 from fleetlease.ops.cli import EXIT_DENIED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError
+from fleetlease.ops.commands.status import add_metrics_flag, metrics_from_args
 from fleetlease.ops.config import ConfigError, ensure_state_dir, from_args
 from fleetlease.ops.logging import configure_logging
+from fleetlease.ops.observe import attach as observe
 from fleetlease.ops.system import AlreadyRunning, single_instance
 
 MAX_RESUMES_ENV = "FLEETLEASE_AGENT_MAX_RESUMES"
@@ -122,6 +124,7 @@ def register(sub: Any) -> None:
         f"{config_default('broker_refused_s'):g}; a control plane restarting on a "
         "secured broker is refused the same way for a moment)",
     )
+    add_metrics_flag(p, default_on=False)
     p.add_argument("--debug", action="store_true", help="debug logs and tracebacks")
     p.set_defaults(func=cmd_agent)
 
@@ -190,6 +193,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         failpoints = parse_failpoints(os.environ.get(FAILPOINTS_ENV))
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
+    metrics, _ = metrics_from_args(args, default_on=False)
     directory = agent_dir(settings.state_dir, args.host_id)
     try:
         ensure_state_dir(directory)
@@ -230,7 +234,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     try:
         with single_instance(directory, "agent"):
             interpreter.tune()
-            eventloop.run(_run(agent))
+            eventloop.run(_run(agent, metrics))
     except AlreadyRunning as exc:
         raise CliError(exc.message, EXIT_UNAVAILABLE) from None
     except RegistrationRefused as exc:
@@ -240,8 +244,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _run(agent: Any) -> None:
+async def _run(agent: Any, metrics: str | None = None) -> None:
     loop = asyncio.get_running_loop()
+    listener = observe.for_agent(agent, metrics, loop) if metrics else None
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, agent.stop)
     try:
@@ -249,3 +254,5 @@ async def _run(agent: Any) -> None:
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+        if listener is not None:
+            await asyncio.to_thread(listener.stop)

@@ -20,6 +20,7 @@ import structlog
 
 from fleetlease.ops import eventloop, interpreter
 from fleetlease.ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError, add_common
+from fleetlease.ops.commands.status import add_metrics_flag, metrics_from_args
 from fleetlease.ops.config import ensure_state_dir, from_args, write_context
 from fleetlease.ops.logging import configure_logging
 from fleetlease.ops.system import (
@@ -60,6 +61,7 @@ def register(sub: Any) -> None:
         metavar="HOST:PORT",
         help="where to serve the web console (default 127.0.0.1:8080; 'off' for none)",
     )
+    add_metrics_flag(p, default_on=True)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("serve", help="run the control plane (actors + NATS handlers)")
@@ -83,6 +85,7 @@ def register(sub: Any) -> None:
         help="secured broker: lifetime of the NATS authorizations the callout issues; "
         "every connection re-proves its host or user this often (default 300)",
     )
+    add_metrics_flag(p, default_on=True)
     p.set_defaults(func=cmd_serve)
 
 
@@ -177,6 +180,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     workflows = str(Path(args.workflows).resolve()) if args.workflows else None
     if workflows is not None and not Path(workflows).is_dir():
         raise CliError(f"--workflows {args.workflows}: not a directory", EXIT_USAGE)
+    metrics, metrics_optional = metrics_from_args(args, default_on=True)
     try:
         ensure_state_dir(settings.state_dir)
         log_dir = settings.state_dir / "logs"
@@ -204,6 +208,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                     stop=stop,
                     log_dir=log_dir,
                     web=None if args.web == "off" else args.web,
+                    metrics=metrics,
+                    metrics_optional=metrics_optional,
                 )
                 try:
                     interpreter.tune()
@@ -273,6 +279,9 @@ class LocalSystem:
     console: Any = None
     admin_token: str = ""
     admin_name: str = ADMIN_USER
+    #: HOST:PORT of the metrics listener (None: none); see ``ops/observe``.
+    metrics: str | None = None
+    metrics_optional: bool = False
 
     @property
     def state_dir(self) -> Path:
@@ -296,6 +305,8 @@ class LocalSystem:
             prefix=self.settings.prefix,
             migrate=False,
             broker_security=self.services.broker_security,
+            metrics=self.metrics,
+            metrics_optional=self.metrics_optional,
         )
         stopped = asyncio.ensure_future(asyncio.to_thread(self.stop.wait))
         try:
@@ -385,6 +396,7 @@ class LocalSystem:
                 "admin_user": self.admin_name,
                 "admin_token_path": str(self.admin_token_path),
                 "pid": os.getpid(),
+                "metrics_url": self.service.observer.url if self.service.observer else None,
             },
         )
 
@@ -495,6 +507,8 @@ class LocalSystem:
         print(f"  admin          user {self.admin_name}, token in {self.admin_token_path}")
         if self.console is not None:
             print(f"  web console    {self.console.url} (sign in with the admin token)")
+        if self.service.observer is not None:
+            print(f"  metrics        {self.service.observer.url}/metrics (/healthz, /readyz)")
         print(f"  context        {context}")
         print(f"  logs           {self.log_dir}")
         if not self.demo:
@@ -645,6 +659,7 @@ async def run_control_plane(
     on_ready: Any = None,
     heartbeat_s: float = 5.0,
     broker_jwt_expires_s: float = 300.0,
+    metrics: tuple[str | None, bool] = (None, False),
 ) -> None:
     from fleetlease.ops.service import ControlPlaneService, install_chaos_hook
 
@@ -659,6 +674,8 @@ async def run_control_plane(
         heartbeat_s=heartbeat_s,
         broker_security=services.broker_security,
         broker_jwt_expires_s=broker_jwt_expires_s,
+        metrics=metrics[0],
+        metrics_optional=metrics[1],
     )
     await service.start()
     try:
@@ -695,6 +712,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = from_args(args)
     configure_logging(debug=settings.debug, cache=True)
     timings = timings_from_args(args)
+    metrics = metrics_from_args(args, default_on=True)
     try:
         ensure_state_dir(settings.state_dir)
         asyncio.run(_serve_precheck(settings))
@@ -714,6 +732,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     stop,
                     heartbeat_s=args.heartbeat_s,
                     broker_jwt_expires_s=args.broker_jwt_expiry_s,
+                    metrics=metrics,
                 )
             )
     except (AlreadyRunning, Unreachable) as exc:

@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +100,16 @@ def test_up_is_secured_and_needs_no_flags(
 
     wait_for(states, lambda s: all(s.get(i) == "done" for i in ids), 120, "3 tasks done")
 
-    # An anonymous client is refused by the server itself.
+    # An anonymous client is refused by the server itself, and the callout's
+    # decisions are counted on the metrics listener.
     assert "authorization violation" in asyncio.run(_refused(url)).lower()
+    metrics = wait_for(
+        lambda: urllib.request.urlopen(f"{ctx['metrics_url']}/metrics", timeout=30).read(),
+        lambda text: b'fleetlease_broker_auth_decisions_total{decision="refused"} ' in text,
+        30,
+        "the refusal counted",
+    ).decode()
+    assert 'fleetlease_broker_auth_decisions_total{decision="granted"}' in metrics
 
     # Another user: named with --user (or FLEETLEASE_USER); unnamed, a clear refusal.
     bob = fl("user", "add", "bob", "--json").json()["token"]

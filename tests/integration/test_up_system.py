@@ -75,7 +75,8 @@ class Up:
     def start(self, *, demo: bool = False, extra: Sequence[str] = ()) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
         argv = [sys.executable, "-m", "fleetlease.ops.cli", "up"]
-        argv += ["--state-dir", str(self.state_dir), *extra]
+        # A port of its own: tests run side by side (the default is 127.0.0.1:9464).
+        argv += ["--state-dir", str(self.state_dir), "--metrics", "127.0.0.1:0", *extra]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [*argv, "--demo"] if demo else argv,
@@ -175,6 +176,10 @@ def test_up_is_a_whole_system_that_survives_a_restart(
     ctx = up.wait_ready()
     token_path = Path(ctx["admin_token_path"])
     assert token_path.stat().st_mode & 0o777 == 0o600
+    # `status` finds the metrics listener through the context file.
+    assert str(ctx["metrics_url"]).startswith("http://127.0.0.1:")
+    status = fl("status", "--json")
+    assert status.json()["ready"] is True, status.out
 
     hosts = wait_for(
         lambda: fl("hosts", "--json"),
