@@ -157,6 +157,11 @@ class LongPollBroker:
         self._forgets = 0
 
     @property
+    def parked(self) -> int:
+        """Claims parked now, over every host."""
+        return sum(len(w) for w in self._waiters.values())
+
+    @property
     def host_wakeups(self) -> int:
         """How many long-poll waiters were woken by a new assignment."""
         return self._host_wakeups

@@ -284,6 +284,21 @@ class ControlPlane:
         return self._accepting
 
     @property
+    def parked_claims(self) -> int:
+        """Host claims parked in the long-poll broker now."""
+        return self.longpoll.parked
+
+    def actors_alive(self) -> dict[str, bool]:
+        """Whether the Scheduler and the Reaper run (both False when not started)."""
+        sup = self._sup
+        if sup is None or not self._accepting:
+            return {"scheduler": False, "reaper": False}
+        return {
+            name: ref is not None and ref.is_alive()
+            for name, ref in (("scheduler", sup.scheduler), ("reaper", sup.reaper))
+        }
+
+    @property
     def metrics(self) -> dict[str, Any]:
         m: dict[str, Any] = dict(self.stats.snapshot())
         m["host_wakeups"] = self.longpoll.host_wakeups

@@ -407,6 +407,16 @@ class Server:
     def in_flight(self, channel: Channel) -> int:
         return len(self._channels[Channel(channel)].tasks)
 
+    def disconnected_channels(self) -> list[str] | None:
+        """The channels whose connection is down now; None before ``start``."""
+        if not self._started:
+            return None
+        return sorted(
+            ch.value
+            for ch, state in self._channels.items()
+            if state.nc is None or not state.nc.is_connected
+        )
+
     # --- dispatch ----------------------------------------------------------------
     def _dispatcher(
         self, state: _ChannelState, handler: Handler

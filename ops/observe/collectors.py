@@ -98,10 +98,9 @@ class ControlPlaneCollector(Collector):
             memory["lease_actors"] = m.get("lease_actors", 0)
             memory["renewals"] = m.get("renewals_batched", 0)
             memory["inflight"] = m.get("inflight", 0)
-            waiters = getattr(cp, "_waiters", {})
-            memory["parked"] = sum(len(w) for w in waiters.values())
+            memory["parked"] = cp.parked_claims
             feed = getattr(self.service.ops, "feed", None)
-            memory["parked_events"] = len(getattr(feed, "_waiters", ()))
+            memory["parked_events"] = feed.parked if feed is not None else 0
         broker = self.service.broker_auth
         if broker is not None:
             memory["broker"] = {"granted": broker.granted, "refused": broker.refused}
@@ -205,7 +204,7 @@ class AgentCollector(Collector):
             devices[state] = devices.get(state, 0) + 1
         return {
             "registered": agent.registered,
-            "attempts": len(getattr(agent, "_attempts", {})),
+            "attempts": len(agent.running_attempts),
             "stats": dataclasses.asdict(agent.stats),
             "devices": devices,
         }

@@ -68,30 +68,21 @@ async def service_checks(service: Any, heads: frozenset[str], timeout_s: float) 
             f"code expects {', '.join(sorted(heads))}",
         )
     server = service.server
-    channels = getattr(server, "_channels", None) if server is not None else None
-    if not channels:
+    down = server.disconnected_channels() if server is not None else None
+    if down is None:
         checks["nats"] = _check(False, "not started")
     else:
-        down = sorted(
-            str(getattr(ch, "value", ch))
-            for ch, state in channels.items()
-            if state.nc is None or not state.nc.is_connected
-        )
         checks["nats"] = _check(
             not down, f"disconnected: {', '.join(down)}" if down else "connected"
         )
     cp = service.control_plane
-    sup = getattr(cp, "_sup", None) if cp is not None else None
-    if sup is None or not getattr(cp, "_accepting", False):
+    if cp is None or not cp.accepting:
         checks["actors"] = _check(False, "not running")
     else:
-        dead = [
-            name
-            for name, ref in (("scheduler", sup.scheduler), ("reaper", sup.reaper))
-            if ref is None or not ref.is_alive()
-        ]
+        dead = [name for name, alive in cp.actors_alive().items() if not alive]
         checks["actors"] = _check(
-            sup.running and not dead, f"dead: {', '.join(dead)}" if dead else "running"
+            cp.supervisor.running and not dead,
+            f"dead: {', '.join(dead)}" if dead else "running",
         )
     return checks
 

@@ -37,6 +37,11 @@ class EventFeed:
             self._loop = asyncio.get_running_loop()
 
     @property
+    def parked(self) -> int:
+        """Event polls parked now."""
+        return len(self._waiters)
+
+    @property
     def last(self) -> int:
         """The number of the newest event (0: none yet)."""
         return self._seq
