@@ -34,6 +34,8 @@ async def soak(tmp_path: Path, *args: str, timeout: float) -> dict[str, object]:
         await proc.wait()
         raise
     assert proc.returncode in (0, 1), err.decode(errors="replace")[-3000:]
+    stderr = err.decode(errors="replace")[-3000:]
+    assert out.strip(), f"no report (exit {proc.returncode}): {stderr}"
     report: dict[str, object] = json.loads(out)
     print(json.dumps({k: v for k, v in report.items() if k != "faults"}, indent=1))
     for f in report["faults"]:  # type: ignore[attr-defined]
