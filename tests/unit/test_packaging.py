@@ -76,3 +76,15 @@ def test_every_subpackage_of_the_tree_is_in_the_wheel(wheel: Path) -> None:
     assert inits
     for init in inits:
         assert f"fleetlease/{init}" in names, f"{init} is not packaged (pyproject packages)"
+
+
+@pytest.mark.parametrize("pkg", ["actors", "transport", "persistence", "hostagent"])
+def test_each_package_names_its_public_surface_and_every_name_resolves(pkg: str) -> None:
+    import importlib
+
+    module = importlib.import_module(f"fleetlease.{pkg}")
+    assert module.__doc__, f"fleetlease.{pkg} says what it holds"
+    names = module.__all__
+    assert names, f"fleetlease.{pkg} names its public surface"
+    for name in names:
+        assert getattr(module, name) is not None, name
