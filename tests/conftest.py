@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import os
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 from sqlalchemy.engine import make_url
@@ -131,6 +134,8 @@ def clock() -> ManualClock:
 def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     url = os.environ.get("FLEETLEASE_TEST_NATS_URL")
     if url:
+        # A shared server keeps what runs killed mid-test left behind.
+        run_async(lambda: _drop_stale_test_streams(url))
         yield url
         return
     server = EmbeddedNats(tmp_path_factory.mktemp("embedded-nats"))
@@ -144,9 +149,9 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 def subject_prefix(request: pytest.FixtureRequest) -> Iterator[str]:
     """A subject prefix of this test's own, so tests sharing a server never meet.
-    Afterwards the prefix's artifact staging stream is deleted from the test
-    NATS server, if the test made one: its byte cap is reserved on the server
-    (JetStream reserves a file stream's ``max_bytes``) for as long as it exists."""
+    Afterwards the prefix's JetStream streams (artifact staging and the artifact
+    object store) are deleted from the test NATS server, if the test made them:
+    a file stream's byte cap is reserved on the server for as long as it exists."""
     prefix = f"t{uuid.uuid4().hex[:12]}"
     yield prefix
     if "nats_url" in request.fixturenames:
@@ -163,10 +168,72 @@ async def _drop_staging(url: str, prefix: str) -> None:
     except Exception:  # a secured or stopped server: nothing of ours to drop
         return
     try:
-        with contextlib.suppress(NatsError, TimeoutError):  # none made, or no JetStream
-            await nc.jetstream(timeout=5).delete_stream(f"FLEETLEASE_UPLOADS_{prefix}")
+        js = nc.jetstream(timeout=5)
+        for stream in _test_streams(prefix):
+            with contextlib.suppress(NatsError, TimeoutError):  # none made, or no JetStream
+                await js.delete_stream(stream)
     finally:
         await nc.close()
+
+
+def _test_streams(prefix: str) -> list[str]:
+    return [f"FLEETLEASE_UPLOADS_{prefix}", f"OBJ_fleetlease-artifacts-{prefix}"]
+
+
+#: A test's own prefix (``subject_prefix``), as it appears in its stream names.
+_TEST_STREAM = re.compile(r"^(FLEETLEASE_UPLOADS_|OBJ_fleetlease-artifacts-)t[0-9a-f]{12}$")
+
+
+async def _drop_stale_test_streams(url: str, idle_s: float = 1800.0) -> None:
+    """Delete the streams of test prefixes untouched for ``idle_s`` (a run
+    killed mid-test never dropped them; a run in progress touches its own).
+    Read through the JetStream API itself: its replies carry the times."""
+    import nats
+
+    try:
+        nc = await nats.connect(url, allow_reconnect=False, connect_timeout=2)
+    except Exception:
+        return
+
+    async def api(subject: str, body: dict[str, object] | None = None) -> dict[str, Any]:
+        msg = await nc.request(f"$JS.API.{subject}", json.dumps(body or {}).encode(), timeout=10)
+        reply: dict[str, Any] = json.loads(msg.data)
+        return reply
+
+    try:
+        names: list[str] = []
+        offset = 0
+        while True:
+            page = await api("STREAM.NAMES", {"offset": offset})
+            batch = page.get("streams") or []
+            names += batch
+            offset += len(batch)
+            if not batch or offset >= int(page.get("total", 0)):
+                break
+        now = datetime.now(UTC)
+        for name in names:
+            if not _TEST_STREAM.match(name):
+                continue
+            info = await api(f"STREAM.INFO.{name}")
+            last = (info.get("state") or {}).get("last_ts") or info.get("created")
+            if not isinstance(last, str):
+                continue
+            seen = _rfc3339(last)
+            if seen is not None and (now - seen).total_seconds() > idle_s:
+                await api(f"STREAM.DELETE.{name}")
+    except Exception:  # best effort: a leftover stream costs reservation, not correctness
+        pass
+    finally:
+        await nc.close()
+
+
+def _rfc3339(text: str) -> datetime | None:
+    """nats-server's times (nanosecond fractions, ``Z``) as datetimes."""
+    m = re.match(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?Z$", text)
+    if m is None:
+        return None
+    micros = (m.group(2) or "0")[:6].ljust(6, "0")
+    return datetime.fromisoformat(f"{m.group(1)}.{micros}+00:00")
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ host = test_ops_cli.host
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LIST_ONLY = {"cursor"}
-SHOW_ONLY = {"attempts", "payload", "selector", "host_id", "device_id"}
+SHOW_ONLY = {"attempts", "payload", "selector", "host_id", "device_id", "waiting_reason"}
 
 
 def _time(text: Any) -> datetime:
@@ -115,6 +115,7 @@ async def test_every_documented_field_carries_the_submitted_value(
         "payload": payload,
         "selector": {"platform": "android"},
         "request_id": "contract-1",
+        "waiting_reason": None,
         "host_id": "h1",
         "device_id": a.device_id,
     }
