@@ -244,3 +244,22 @@ async def test_sign_in_attempts_are_limited_per_name_and_address_alike_for_unkno
     finally:
         await web.close()
         await running.stop()
+
+
+async def test_an_idle_session_expires_and_its_users_connection_closes_unprompted(
+    system: System,
+) -> None:
+    running = await started(system.nats_url, system.prefix, session_idle_s=1.0, **GENEROUS)
+    web = WebUser(running.url)
+    try:
+        assert await fresh_sign_in(web, "admin", system.admin_token) == 303
+        assert running.console.connections() == {"admin": 1}
+
+        async def closed() -> bool:  # no request comes in meanwhile: the sweep ends it
+            return not running.console.connections() and len(running.console.sessions) == 0
+
+        await until(closed, "the idle session and its connection end")
+        assert (await web.get("/tasks")).status_code == 401
+    finally:
+        await web.close()
+        await running.stop()
