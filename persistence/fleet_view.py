@@ -12,6 +12,11 @@ picking one side.
 
 The counts are totals over the whole fleet (devices) and over the tasks a user
 may read, computed in the database, never from a page of rows.
+
+Every user may see every device and whether it is busy, but which task keeps
+it busy (``task_id`` and its ``attempt``) only if that user may read the task
+(its owner, an owner or admin of its project, a platform admin): for anyone
+else the row is ``busy`` with ``task_id`` and ``attempt`` None.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def device_view_state(reported: str, task_id: str | None) -> tuple[str, str | No
     return ("offline" if reported == "offline" else "idle"), None
 
 
-def _joined() -> sa.FromClause:
+def _joined() -> sa.Join:
     return devices.outerjoin(
         device_reservations,
         sa.and_(
@@ -51,9 +56,16 @@ def _joined() -> sa.FromClause:
 
 
 async def read_devices(
-    conn: AsyncConnection, *, host_id: str | None = None, limit: int | None = None
+    conn: AsyncConnection,
+    *,
+    visible: sa.ColumnElement[bool],
+    host_id: str | None = None,
+    limit: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Devices in (host, device) order, as the view shows them."""
+    """Devices in (host, device) order, as the view shows them to a user whose
+    readable tasks the ``visible`` clause (over ``tasks``) admits: the task of
+    a reservation outside it is withheld (``task_id`` and ``attempt`` None)."""
+    readable = sa.case((sa.and_(tasks.c.id.is_not(None), visible), sa.true()), else_=sa.false())
     stmt = (
         sa.select(
             devices.c.host_id,
@@ -62,8 +74,9 @@ async def read_devices(
             devices.c.capabilities,
             device_reservations.c.task_id,
             device_reservations.c.attempt,
+            readable.label("readable"),
         )
-        .select_from(_joined())
+        .select_from(_joined().outerjoin(tasks, tasks.c.id == device_reservations.c.task_id))
         .order_by(devices.c.host_id, devices.c.device_id)
     )
     if host_id is not None:
@@ -74,6 +87,7 @@ async def read_devices(
     for r in (await conn.execute(stmt)).all():
         task_id = str(r.task_id) if r.task_id is not None else None
         state, disagreement = device_view_state(r.state, task_id)
+        shown = r.readable and task_id is not None
         out.append(
             {
                 "host_id": r.host_id,
@@ -82,8 +96,8 @@ async def read_devices(
                 "reported": r.state,
                 "disagreement": disagreement,
                 "capabilities": r.capabilities,
-                "task_id": task_id,
-                "attempt": r.attempt,
+                "task_id": task_id if shown else None,
+                "attempt": r.attempt if shown else None,
             }
         )
     return out

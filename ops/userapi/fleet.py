@@ -1,5 +1,7 @@
 """The fleet verbs of the user API: ``hosts``, ``devices`` and ``fleet_counts``,
-readable by every user."""
+readable by every user. ``devices`` names the task of a busy device only to a
+user who may read that task; anyone else sees the device busy with
+``task_id`` null."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ class FleetVerbs(ApiContext):
     async def devices(self, user: User, args: Any) -> list[dict[str, Any]]:
         a = Args(args, ("host",))
         host = a.name("host")
-        return [project_device(d) for d in await self.repo.fleet_devices(host_id=host)]
+        return [project_device(d) for d in await self.repo.fleet_devices(user, host_id=host)]
 
     async def fleet_counts(self, user: User, args: Any) -> dict[str, Any]:
         """Totals: devices by state (as the fleet view shows them) and the tasks

@@ -6,6 +6,12 @@ that id's SHA-256 (so a dump of the store cannot be replayed as cookies) next
 to the token, the user's name and the session's CSRF token. Sessions live in
 memory: restarting the console signs everyone out, which is the safe failure.
 
+Limits: a session ends after ``idle_s`` without use or ``max_age_s`` in all; a
+user holds at most ``max_per_user`` sessions (a further sign-in ends that
+user's own least recently used one, never another user's); the store holds at
+most ``max_sessions`` in all, and refuses a sign-in (``SessionsFull``) rather
+than end anyone's session to make room.
+
 CSRF: every state-changing request must come from our own origin (``Origin``,
 else ``Referer``; neither is refused) and carry the synchronizer token of its
 session in the form (or, before sign-in, the double-submit cookie's value).
@@ -13,14 +19,12 @@ session in the form (or, before sign-in, the double-submit cookie's value).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import urlsplit
 
 SESSION_COOKIE = "fleetlease_session"
@@ -35,6 +39,11 @@ def _key(session_id: str) -> str:
     return hashlib.sha256(session_id.encode()).hexdigest()
 
 
+class SessionsFull(Exception):
+    """The console holds as many sessions as it may: a sign-in is refused (no
+    other user's session is ended to make room)."""
+
+
 @dataclass
 class Session:
     user: str
@@ -45,10 +54,6 @@ class Session:
     last_used: float
     #: One-shot notices shown by the next page (kind, text), e.g. a cancel's outcome.
     flashes: list[tuple[str, str]] = field(default_factory=list)
-    #: The user's own NATS connection (an ``ops.client.OpsClient``), and the lock
-    #: under which it is replaced when lost.
-    client: Any = field(default=None, repr=False)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def flash(self, kind: str, text: str) -> None:
         self.flashes.append((kind, text))
@@ -59,7 +64,8 @@ class Session:
 
 
 class SessionStore:
-    """In-memory sessions, ended after ``idle_s`` without use or ``max_age_s`` in all."""
+    """In-memory sessions, ended after ``idle_s`` without use or ``max_age_s`` in
+    all, at most ``max_per_user`` of one user and ``max_sessions`` in all."""
 
     def __init__(
         self,
@@ -67,32 +73,48 @@ class SessionStore:
         idle_s: float = 12 * 3600.0,
         max_age_s: float = 7 * 86400.0,
         max_sessions: int = 10_000,
+        max_per_user: int = 16,
         clock: Callable[[], float] = time.monotonic,
         on_drop: Callable[[Session], None] | None = None,
     ) -> None:
         """``on_drop(session)`` runs for every session that ends (sign-out,
-        expiry, eviction, a refused token): the console closes its connection."""
+        expiry, eviction, a refused token): the console releases its user's
+        connection."""
         if idle_s <= 0 or max_age_s <= 0:
             raise ValueError("idle_s and max_age_s must be positive")
-        if max_sessions < 1:
-            raise ValueError("max_sessions must be at least 1")
+        if max_sessions < 1 or max_per_user < 1:
+            raise ValueError("max_sessions and max_per_user must be at least 1")
         self.idle_s = idle_s
         self.max_age_s = max_age_s
         self.max_sessions = max_sessions
+        self.max_per_user = max_per_user
         self._clock = clock
         self._on_drop = on_drop
         self._sessions: dict[str, Session] = {}
+        #: Each user's session keys, least recently used first.
+        self._by_user: dict[str, dict[str, None]] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def count(self, user: str) -> int:
+        """How many sessions ``user`` holds."""
+        return len(self._by_user.get(user, ()))
+
+    def users(self) -> set[str]:
+        """The users holding at least one session."""
+        return set(self._by_user)
+
     def create(self, *, token: str, user: str, platform_admin: bool) -> tuple[str, Session]:
-        """A new session; returns the cookie value (shown to nobody else) and the session."""
-        self._purge()
+        """A new session; returns the cookie value (shown to nobody else) and the
+        session. At ``max_per_user`` the user's own least recently used session
+        ends; ``SessionsFull`` if the store is full of other sessions."""
+        self.sweep()
+        own = self._by_user.get(user, {})
+        while len(own) >= self.max_per_user:
+            self._drop_key(next(iter(own)))
         if len(self._sessions) >= self.max_sessions:
-            # Evict the least recently used rather than refuse a sign-in.
-            oldest = min(self._sessions, key=lambda k: self._sessions[k].last_used)
-            self._drop_key(oldest)
+            raise SessionsFull("the console holds as many sessions as it may")
         now = self._clock()
         session_id = new_secret()
         session = Session(
@@ -103,7 +125,9 @@ class SessionStore:
             created=now,
             last_used=now,
         )
-        self._sessions[_key(session_id)] = session
+        key = _key(session_id)
+        self._sessions[key] = session
+        self._by_user.setdefault(user, {})[key] = None
         return session_id, session
 
     def get(self, session_id: str | None) -> Session | None:
@@ -118,6 +142,9 @@ class SessionStore:
             self._drop_key(key)
             return None
         session.last_used = now
+        own = self._by_user[session.user]
+        own.pop(key)
+        own[key] = None  # now the user's most recently used
         return session
 
     def drop(self, session_id: str | None) -> None:
@@ -135,16 +162,28 @@ class SessionStore:
 
     def _drop_key(self, key: str) -> None:
         session = self._sessions.pop(key, None)
-        if session is not None and self._on_drop is not None:
+        if session is None:
+            return
+        own = self._by_user.get(session.user)
+        if own is not None:
+            own.pop(key, None)
+            if not own:
+                del self._by_user[session.user]
+        if self._on_drop is not None:
             self._on_drop(session)
 
     def _expired(self, session: Session, now: float) -> bool:
         return now - session.last_used > self.idle_s or now - session.created > self.max_age_s
 
-    def _purge(self) -> None:
+    def sweep(self) -> int:
+        """Ends every expired session (the console calls this periodically, so
+        an abandoned session's connection does not wait for the next sign-in);
+        returns how many ended."""
         now = self._clock()
-        for key in [k for k, s in self._sessions.items() if self._expired(s, now)]:
+        expired = [k for k, s in self._sessions.items() if self._expired(s, now)]
+        for key in expired:
             self._drop_key(key)
+        return len(expired)
 
 
 def tokens_match(expected: str | None, given: str | None) -> bool:

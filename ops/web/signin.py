@@ -1,4 +1,6 @@
-"""Signing in and out of the console."""
+"""Signing in and out of the console. Sign-in attempts are limited per user
+name and per client address (``ratelimit.py``): over a limit the sign-in page
+answers 429 with ``Retry-After``, the same whoever the name is."""
 
 from __future__ import annotations
 
@@ -8,7 +10,13 @@ from starlette.responses import RedirectResponse, Response
 
 from fleetlease.ops.client import OpsError
 from fleetlease.ops.web.pages import Pages, RequestRefused, local_path
-from fleetlease.ops.web.sessions import LOGIN_CSRF_COOKIE, SESSION_COOKIE, tokens_match
+from fleetlease.ops.web.ratelimit import SignInThrottled
+from fleetlease.ops.web.sessions import (
+    LOGIN_CSRF_COOKIE,
+    SESSION_COOKIE,
+    SessionsFull,
+    tokens_match,
+)
 from fleetlease.transport.subjects import is_valid_token
 
 log = structlog.get_logger("fleetlease.web")
@@ -40,8 +48,31 @@ class SignInRoutes(Pages):
             return self.sign_in_page(
                 request, status=401, error="Enter your user name and your token."
             )
+        address = request.client.host if request.client else "unknown"
         try:
-            session_id, _ = await self.console.sign_in(user=user, token=token)
+            session_id, _ = await self.console.sign_in(user=user, token=token, address=address)
+        except SignInThrottled as exc:
+            log.info("web_sign_in_throttled", retry_after_s=exc.retry_after_s)
+            response = self.sign_in_page(
+                request,
+                status=429,
+                error=(
+                    "Too many sign-in attempts. Wait "
+                    f"{exc.retry_after_s} second{'s' if exc.retry_after_s != 1 else ''}"
+                    " and try again."
+                ),
+            )
+            response.headers["Retry-After"] = str(exc.retry_after_s)
+            return response
+        except SessionsFull:
+            log.warning("web_sessions_full", sessions=len(self.console.sessions))
+            response = self.sign_in_page(
+                request,
+                status=503,
+                error="The console has too many open sessions right now. Try again later.",
+            )
+            response.headers["Retry-After"] = "60"
+            return response
         except OpsError as exc:
             if exc.code in ("unauthorized", "forbidden", "bad_request"):
                 return self.sign_in_page(

@@ -247,12 +247,16 @@ class ViewMixin(UserMixin):
         return await self._tx("list_devices", run)
 
     async def fleet_devices(
-        self, *, host_id: str | None = None, limit: int | None = None
+        self, user: User, *, host_id: str | None = None, limit: int | None = None
     ) -> list[dict[str, Any]]:
-        """Devices as the fleet view shows them (:mod:`fleet_view`)."""
+        """Devices as the fleet view shows them to ``user`` (:mod:`fleet_view`):
+        the task of a busy device only where ``user`` may read that task."""
+        _check_user(user)
 
         async def run(conn: AsyncConnection, now: datetime) -> list[dict[str, Any]]:
-            return await fleet_view.read_devices(conn, host_id=host_id, limit=limit)
+            return await fleet_view.read_devices(
+                conn, visible=self._visible(user), host_id=host_id, limit=limit
+            )
 
         return await self._tx("fleet_devices", run)
 

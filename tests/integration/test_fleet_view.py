@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from fleetlease.ops.userapi.projection import project_device
 from fleetlease.persistence.fleet_view import device_view_state
-from fleetlease.persistence.model import DeviceSnapshot
+from fleetlease.persistence.model import DeviceSnapshot, User
 from tests.integration.test_repository_support import World, world
 
 __all__ = ["world"]
@@ -23,7 +24,7 @@ async def test_a_reserved_device_reported_idle_is_busy_with_its_task_and_the_dis
     other = "d2" if a.device_id == "d1" else "d1"
     await world.beat(session, "d1", "d2")  # the host's snapshot: both idle
 
-    rows = {d["device_id"]: d for d in await world.repo.fleet_devices()}
+    rows = {d["device_id"]: d for d in await world.repo.fleet_devices(world.root)}
 
     assert rows[a.device_id]["state"] == "busy"
     assert rows[a.device_id]["task_id"] == a.task_id
@@ -47,7 +48,7 @@ async def test_an_unreserved_device_reported_busy_is_idle_and_the_disagreement_i
         DeviceSnapshot(device_id="d2", state="offline"),
     )
 
-    rows = {d["device_id"]: d for d in await world.repo.fleet_devices()}
+    rows = {d["device_id"]: d for d in await world.repo.fleet_devices(world.root)}
 
     assert (rows["d1"]["state"], rows["d1"]["task_id"]) == ("idle", None)
     assert rows["d1"]["reported"] == "busy"
@@ -60,9 +61,36 @@ async def test_a_reserved_device_whose_host_reports_it_busy_agrees(world: World)
     a = await world.assigned(session)
     await world.beat(session, DeviceSnapshot(device_id="d1", state="busy"))
 
-    (row,) = await world.repo.fleet_devices()
+    (row,) = await world.repo.fleet_devices(world.root)
 
     assert (row["state"], row["task_id"], row["disagreement"]) == ("busy", a.task_id, None)
+
+
+async def test_a_busy_devices_task_is_named_only_to_users_who_may_read_that_task(
+    world: World,
+) -> None:
+    await world.repo.add_user("eve")
+    eve = User(name="eve", platform_admin=False)
+    session = await world.host("h1", ["d1", "d2"])
+    c = await world.running(session)  # alice's task in her project p1
+
+    def shown(rows: list[dict[str, object]]) -> dict[object, tuple[object, ...]]:
+        return {d["device_id"]: (d["state"], d["task_id"]) for d in map(project_device, rows)}
+
+    busy = {c.device_id: ("busy", c.task_id)}
+    for reader in (world.alice, world.carol, world.root):  # owner, project admin, admin
+        rows = await world.repo.fleet_devices(reader)
+        assert shown(rows).items() >= busy.items(), reader.name
+        (row,) = [r for r in rows if r["device_id"] == c.device_id]
+        assert row["attempt"] == c.attempt
+    for stranger in (eve, world.bob):  # no role, owner of another project
+        rows = await world.repo.fleet_devices(stranger)
+        assert shown(rows)[c.device_id] == ("busy", None), stranger.name
+        (row,) = [r for r in rows if r["device_id"] == c.device_id]
+        assert row["attempt"] is None
+        assert c.task_id not in repr(rows)
+    # The totals still count the busy device for everyone.
+    assert (await world.repo.fleet_counts(eve))["devices"]["busy"] == 1
 
 
 async def test_counts_are_the_fleets_totals_when_the_list_is_limited(world: World) -> None:
@@ -72,8 +100,8 @@ async def test_counts_are_the_fleets_totals_when_the_list_is_limited(world: Worl
         await world.submit(selector={"nowhere": "x"})  # stays queued
     await world.submit(project="p2", owner="bob", selector={"nowhere": "x"})
 
-    limited = await world.repo.fleet_devices(limit=2)
-    one_host = await world.repo.fleet_devices(host_id="h2")
+    limited = await world.repo.fleet_devices(world.root, limit=2)
+    one_host = await world.repo.fleet_devices(world.root, host_id="h2")
     tasks = await world.repo.list_tasks(world.alice, limit=2)
     counts = await world.repo.fleet_counts(world.alice)
 

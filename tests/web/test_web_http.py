@@ -501,3 +501,28 @@ async def test_the_fleet_shows_a_reserved_device_busy_with_its_task_and_the_host
     assert mine["disagreement"]
     table = await system.cli("devices", token=admin)
     assert "busy" in table.out and "host reports idle" in table.out
+
+
+async def test_the_fleet_names_a_busy_devices_task_only_to_those_who_may_read_it(
+    system: System, web: WebUser, other: WebUser, host: SimHost
+) -> None:
+    """The admin's running task shows on its device for the admin; eve, who may
+    not read it, sees the device busy without its id, in the console and the CLI."""
+    admin = system.admin_token
+    eve = await system.user("eve")
+    task_id = await system.submit(admin, "--goal", "take a screenshot")
+    a = await host.take()
+    assert (await web.sign_in("admin", admin)).status_code == 303
+    assert (await other.sign_in("eve", eve)).status_code == 303
+
+    assert f'href="/tasks/{task_id}"' in (await web.get("/")).text
+    fleet = (await other.get("/")).text
+    part = (await other.get("/fleet/part")).text
+    row = fleet.split(f'data-device-id="{a.device_id}"', 1)[1].split("</tr>", 1)[0]
+    assert '<span class="dev dev-busy">busy</span>' in row
+    assert task_id not in fleet and task_id not in part
+
+    devices = (await system.cli("devices", "--json", token=eve)).json()
+    theirs = next(d for d in devices if d["device_id"] == a.device_id)
+    assert (theirs["state"], theirs["task_id"]) == ("busy", None)
+    assert task_id not in (await system.cli("devices", token=eve)).out
