@@ -21,7 +21,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from fleetlease.persistence.tables import device_reservations, devices, tasks
+from fleetlease.persistence.tables import (
+    device_drains,
+    device_reservations,
+    devices,
+    hosts,
+    tasks,
+)
 
 #: The states a device can have in the view.
 VIEW_STATES: tuple[str, ...] = ("idle", "busy", "offline")
@@ -53,7 +59,17 @@ def _joined() -> sa.FromClause:
 async def read_devices(
     conn: AsyncConnection, *, host_id: str | None = None, limit: int | None = None
 ) -> list[dict[str, Any]]:
-    """Devices in (host, device) order, as the view shows them."""
+    """Devices in (host, device) order, as the view shows them; ``drained``:
+    the device or its host is drained (takes no new assignment)."""
+    drained = sa.or_(
+        sa.exists().where(
+            device_drains.c.host_id == devices.c.host_id,
+            device_drains.c.device_id == devices.c.device_id,
+        ),
+        sa.exists().where(
+            hosts.c.host_id == devices.c.host_id, hosts.c.drain_requested_at.is_not(None)
+        ),
+    )
     stmt = (
         sa.select(
             devices.c.host_id,
@@ -62,6 +78,7 @@ async def read_devices(
             devices.c.capabilities,
             device_reservations.c.task_id,
             device_reservations.c.attempt,
+            drained.label("drained"),
         )
         .select_from(_joined())
         .order_by(devices.c.host_id, devices.c.device_id)
@@ -84,6 +101,7 @@ async def read_devices(
                 "capabilities": r.capabilities,
                 "task_id": task_id,
                 "attempt": r.attempt,
+                "drained": bool(r.drained),
             }
         )
     return out
