@@ -10,9 +10,11 @@ the event loop that sends a :class:`~actors.messages.Tick`; an actor never
 sleeps inside a handler. Each timer carries a sequence number and only the
 newest one counts.
 
-A run: ``expire_due`` (batches until short), then for each expired attempt tell
-its Lease actor the attempt ended, emit the task event, and wake the Scheduler
-(devices are free, retrying tasks may be eligible).
+A run: ``expire_due`` (batches until short), then ``hand_back_drained`` (the
+active attempts of drained hosts past their drain deadline, likewise), then for
+each ended attempt tell its Lease actor the attempt ended, emit the task event,
+and wake the Scheduler (devices are free, retrying tasks may be eligible). The
+next wake-up is the earliest attempt deadline or drain deadline.
 
 With a :class:`~persistence.clock.ManualClock` time does not pass by itself:
 tests advance the clock and poke the reaper (``ControlPlane.poke_reaper()``,
@@ -38,6 +40,12 @@ log = structlog.get_logger("fleetlease.reaper")
 
 #: Added to a deadline so that the run happens strictly after it.
 _EPSILON_S = 0.01
+
+
+def _earliest(a: datetime | None, b: datetime | None) -> datetime | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return min(a, b)
 
 
 class ReaperActor(FleetActor):
@@ -92,7 +100,18 @@ class ReaperActor(FleetActor):
                 self._ended(expired)
                 if len(expired) < self.ctx.expire_batch:
                     break
-            nd: datetime | None = self.ctx.db(self.ctx.repo.next_deadline())
+            while True:
+                drained: list[Expired] = self.ctx.db(
+                    self.ctx.repo.hand_back_drained(limit=self.ctx.expire_batch)
+                )
+                total += len(drained)
+                self._ended(drained)
+                if len(drained) < self.ctx.expire_batch:
+                    break
+            nd: datetime | None = _earliest(
+                self.ctx.db(self.ctx.repo.next_deadline()),
+                self.ctx.db(self.ctx.repo.next_drain_deadline()),
+            )
         except RepositoryError as exc:
             log.warning("reaper.run_failed", error=exc.message, code=exc.code)
             self._schedule(None, retry=True)

@@ -51,6 +51,7 @@ COMMAND_MODULES = [
     "fleetlease.ops.commands.tasks",
     "fleetlease.ops.commands.fleet",
     "fleetlease.ops.commands.admin",
+    "fleetlease.ops.commands.drain",
     "fleetlease.ops.commands.watch",
     "fleetlease.ops.commands.bench",
     "fleetlease.ops.commands.web",

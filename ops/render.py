@@ -260,7 +260,16 @@ def print_hosts(hosts: Sequence[Mapping[str, Any]], *, show_revoked: bool = Fals
     if not hosts:
         out.print("no hosts")
         return
-    columns = ["HOST", "LIVE", "LAST SEEN", "GENERATION", "DEVICES", "WORKFLOWS", "GOAL RUNNER"]
+    columns = [
+        "HOST",
+        "LIVE",
+        "LAST SEEN",
+        "GENERATION",
+        "DEVICES",
+        "WORKFLOWS",
+        "GOAL RUNNER",
+        "DRAIN",
+    ]
     if show_revoked:
         columns += ["REVOKED"]
     table = _table(*columns)
@@ -273,11 +282,21 @@ def print_hosts(hosts: Sequence[Mapping[str, Any]], *, show_revoked: bool = Fals
             cell(h.get("devices")),
             _workflows_cell(h.get("workflows")),
             cell(h.get("goal_runner") or "-"),
+            _drain_cell(h.get("drain")),
         ]
         if show_revoked:
             row.append(cell(bool(h.get("revoked"))))
         table.add_row(*row)
     out.print(table)
+
+
+def _drain_cell(drain: Any) -> Text:
+    """A host's drain: ``-``, or ``drained`` with its deadline if it has one."""
+    if not isinstance(drain, Mapping):
+        return Text("-")
+    deadline = drain.get("deadline")
+    text = f"drained, deadline {when(deadline)}" if deadline else "drained"
+    return Text(text, style="yellow")
 
 
 def _workflows_cell(workflows: Any) -> str:
@@ -297,6 +316,8 @@ def print_devices(devices: Sequence[Mapping[str, Any]]) -> None:
         # The state is the control plane's (a reservation means busy); a host
         # report that disagrees is shown, not hidden.
         note = d.get("disagreement")
+        if d.get("drained"):
+            note = f"drained; {note}" if note else "drained"
         table.add_row(
             cell(d.get("host_id")),
             cell(d.get("device_id")),

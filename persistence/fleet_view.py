@@ -26,7 +26,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from fleetlease.persistence.tables import device_reservations, devices, tasks
+from fleetlease.persistence.tables import (
+    device_drains,
+    device_reservations,
+    devices,
+    hosts,
+    tasks,
+)
 
 #: The states a device can have in the view.
 VIEW_STATES: tuple[str, ...] = ("idle", "busy", "offline")
@@ -64,8 +70,18 @@ async def read_devices(
 ) -> list[dict[str, Any]]:
     """Devices in (host, device) order, as the view shows them to a user whose
     readable tasks the ``visible`` clause (over ``tasks``) admits: the task of
-    a reservation outside it is withheld (``task_id`` and ``attempt`` None)."""
+    a reservation outside it is withheld (``task_id`` and ``attempt`` None);
+    ``drained``: the device or its host is drained (takes no new assignment)."""
     readable = sa.case((sa.and_(tasks.c.id.is_not(None), visible), sa.true()), else_=sa.false())
+    drained = sa.or_(
+        sa.exists().where(
+            device_drains.c.host_id == devices.c.host_id,
+            device_drains.c.device_id == devices.c.device_id,
+        ),
+        sa.exists().where(
+            hosts.c.host_id == devices.c.host_id, hosts.c.drain_requested_at.is_not(None)
+        ),
+    )
     stmt = (
         sa.select(
             devices.c.host_id,
@@ -75,6 +91,7 @@ async def read_devices(
             device_reservations.c.task_id,
             device_reservations.c.attempt,
             readable.label("readable"),
+            drained.label("drained"),
         )
         .select_from(_joined().outerjoin(tasks, tasks.c.id == device_reservations.c.task_id))
         .order_by(devices.c.host_id, devices.c.device_id)
@@ -98,6 +115,7 @@ async def read_devices(
                 "capabilities": r.capabilities,
                 "task_id": task_id if shown else None,
                 "attempt": r.attempt if shown else None,
+                "drained": bool(r.drained),
             }
         )
     return out

@@ -117,6 +117,7 @@ class EndReason(enum.StrEnum):
     LEASE_EXPIRED = "lease_expired"
     RECONCILE_LOST = "reconcile_lost"
     HOST_REVOKED = "host_revoked"
+    DRAINED = "drained"
 
 
 class Role(enum.StrEnum):

@@ -67,6 +67,10 @@ hosts = sa.Table(
     # The workflows the host serves (its last heartbeat); NULL: any workflow.
     sa.Column("workflows", ARRAY(sa.Text)),
     sa.Column("goal_runner", sa.Text),
+    # Drain (see persistence/repository/drain.py): set, the host takes no new
+    # assignment; past the deadline (if any) its active attempts are handed back.
+    sa.Column("drain_requested_at", TS),
+    sa.Column("drain_deadline", TS),
 )
 
 devices = sa.Table(
@@ -80,6 +84,18 @@ devices = sa.Table(
     sa.Column("capabilities", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
     sa.Column("updated_at", TS, nullable=False),
     sa.CheckConstraint("state IN ('idle', 'busy', 'offline')", name="state"),
+)
+
+# Drained devices: kept apart from ``devices``, whose rows each heartbeat
+# replaces, so a drain outlives the device's reports (and its detaching).
+device_drains = sa.Table(
+    "device_drains",
+    metadata,
+    sa.Column(
+        "host_id", sa.Text, sa.ForeignKey("hosts.host_id", ondelete="CASCADE"), primary_key=True
+    ),
+    sa.Column("device_id", sa.Text, primary_key=True),
+    sa.Column("requested_at", TS, nullable=False),
 )
 
 tasks = sa.Table(

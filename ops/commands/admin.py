@@ -1,5 +1,6 @@
-"""The administrative commands: ``host add|revoke|list``, ``user add``, ``project
-add`` (a platform admin's), and ``whoami``.
+"""The administrative commands: ``host add|revoke|list`` (``host drain|undrain``
+are in ``drain.py``), ``user add``, ``project add`` (a platform admin's), and
+``whoami``.
 
 ``user add`` and ``project add`` also have a ``--direct`` mode that writes to the
 database without a token: how the first platform admin of a system not started
@@ -22,6 +23,7 @@ import structlog
 from fleetlease.ops import render
 from fleetlease.ops.cli import EXIT_OK, EXIT_UNAVAILABLE, CliError
 from fleetlease.ops.client import OpsClient
+from fleetlease.ops.commands import drain
 from fleetlease.ops.commands.shared import command_adder, output, run
 from fleetlease.ops.config import from_args, read_context
 from fleetlease.ops.logging import configure_logging
@@ -39,6 +41,7 @@ def register(sub: Any) -> None:
     p = cmd("revoke", "revoke a host: its sessions die and its attempts end", cmd_host_revoke, host)
     p.add_argument("host_id")
     cmd("list", "every host, revoked ones too", cmd_host_list, host)
+    drain.add_host_commands(cmd, host)
 
     user = sub.add_parser("user", help="users (platform admin)").add_subparsers(
         dest="user_command", metavar="COMMAND", required=True

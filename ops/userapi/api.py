@@ -14,7 +14,8 @@ its project, or a platform admin; anyone else gets ``forbidden`` and nothing is
 written (the repository enforces this in the same transaction). Submitting into
 a project needs one of those roles on the project. Administrative verbs
 (``ADMIN_VERBS``: ``user_add``, ``project_add``, ``host_add``, ``host_revoke``,
-``host_list``) need a platform admin.
+``host_list``; ``DRAIN_VERBS``: ``host_drain``, ``host_undrain``,
+``device_drain``, ``device_undrain``) need a platform admin.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import structlog
 from fleetlease.ops.userapi.admin import ADMIN_VERBS, AdminVerbs
 from fleetlease.ops.userapi.args import Args
 from fleetlease.ops.userapi.context import ControlPlaneLike
+from fleetlease.ops.userapi.drain import DRAIN_VERBS, DrainVerbs
 from fleetlease.ops.userapi.events import EventFeed
 from fleetlease.ops.userapi.fleet import FleetVerbs
 from fleetlease.ops.userapi.tasks import TaskVerbs
@@ -39,7 +41,7 @@ from fleetlease.persistence.repository import Repository
 log = structlog.get_logger("fleetlease.ops")
 
 
-class OpsApi(TaskVerbs, FleetVerbs, AdminVerbs):
+class OpsApi(TaskVerbs, FleetVerbs, AdminVerbs, DrainVerbs):
     """Serves the ops verbs for one control plane."""
 
     def __init__(
@@ -77,6 +79,10 @@ class OpsApi(TaskVerbs, FleetVerbs, AdminVerbs):
             "host_list": self.host_list,
             "user_add": self.user_add,
             "project_add": self.project_add,
+            "host_drain": self.host_drain,
+            "host_undrain": self.host_undrain,
+            "device_drain": self.device_drain,
+            "device_undrain": self.device_undrain,
         }
 
     @property
@@ -100,7 +106,7 @@ class OpsApi(TaskVerbs, FleetVerbs, AdminVerbs):
         method = self._verbs.get(verb)
         if method is None:
             raise Invalid(f"unknown verb {verb!r}", field="verb")
-        if verb in ADMIN_VERBS and not principal.platform_admin:
+        if (verb in ADMIN_VERBS or verb in DRAIN_VERBS) and not principal.platform_admin:
             raise Forbidden(f"{verb.replace('_', ' ')} needs a platform admin")
         result = await method(principal, args if args is not None else {})
         log.debug("ops_request", verb=verb, user=principal.name)

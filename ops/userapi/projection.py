@@ -143,7 +143,15 @@ def project_host(raw: Mapping[str, Any]) -> dict[str, Any]:
         # Null: the host takes any workflow (it does not say which it serves).
         "workflows": plain(raw.get("workflows")),
         "goal_runner": plain(raw.get("goal_runner")),
+        # Null: not drained; else when the drain was asked for and its deadline.
+        "drain": _drain_of(raw.get("drain")),
     }
+
+
+def _drain_of(drain: Any) -> dict[str, Any] | None:
+    if not isinstance(drain, Mapping) or drain.get("requested_at") is None:
+        return None
+    return {"requested_at": plain(drain["requested_at"]), "deadline": plain(drain.get("deadline"))}
 
 
 def project_device(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -156,6 +164,8 @@ def project_device(raw: Mapping[str, Any]) -> dict[str, Any]:
         "task_id": plain(raw.get("task_id")),
         "reported": plain(raw.get("reported", raw.get("state"))),
         "disagreement": plain(raw.get("disagreement")),
+        # The device, or its host, is drained: it takes no new assignment.
+        "drained": bool(raw.get("drained")),
     }
 
 

@@ -29,6 +29,7 @@ from starlette.staticfiles import StaticFiles
 
 from fleetlease.ops.client import OpsError
 from fleetlease.ops.web.console import Console, WebSettings
+from fleetlease.ops.web.drain import DrainRoutes
 from fleetlease.ops.web.errors import ErrorHandlers
 from fleetlease.ops.web.fleet import FleetRoutes
 from fleetlease.ops.web.headers import SECURITY_HEADERS, SecurityHeaders
@@ -40,7 +41,7 @@ from fleetlease.ops.web.tasks import TaskRoutes
 STATIC = Path(__file__).parent / "static"
 
 
-class Web(SignInRoutes, FleetRoutes, TaskRoutes, LiveRoutes, ErrorHandlers):
+class Web(SignInRoutes, FleetRoutes, DrainRoutes, TaskRoutes, LiveRoutes, ErrorHandlers):
     """The routes of the console, one group per page (``signin.py``,
     ``fleet.py``, ``tasks.py``, ``live.py``) and the error handlers."""
 
@@ -62,6 +63,8 @@ def create_app(settings: WebSettings, *, console: Console | None = None) -> Star
     routes = [
         Route("/", web.fleet),
         Route("/fleet/part", web.fleet_part),
+        Route("/hosts/{host_id}/drain", web.host_drain, methods=["POST"]),
+        Route("/hosts/{host_id}/undrain", web.host_undrain, methods=["POST"]),
         Route("/login", web.login_page, methods=["GET"]),
         Route("/login", web.login, methods=["POST"]),
         Route("/logout", web.logout, methods=["POST"]),

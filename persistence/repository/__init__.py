@@ -47,6 +47,7 @@ from fleetlease.persistence.repository._validate import _check_task_id as _check
 from fleetlease.persistence.repository._validate import _check_user as _check_user
 from fleetlease.persistence.repository.assign import AssignMixin
 from fleetlease.persistence.repository.cancel import CancelMixin
+from fleetlease.persistence.repository.drain import DrainMixin
 from fleetlease.persistence.repository.leases import Renewal
 from fleetlease.persistence.repository.reconcile import ReconcileMixin
 from fleetlease.persistence.repository.results import ResultMixin
@@ -62,6 +63,7 @@ __all__ = ["MAX_PAYLOAD_BYTES", "Renewal", "Repository", "Transition"]
 
 
 class Repository(
+    DrainMixin,
     SubmitMixin,
     AssignMixin,
     ResultMixin,

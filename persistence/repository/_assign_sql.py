@@ -19,6 +19,7 @@ from fleetlease.persistence.repository._sql import _WAITING, UUIDT, _arr_param, 
 from fleetlease.persistence.repository._validate import _check_int
 from fleetlease.persistence.tables import (
     attempts,
+    device_drains,
     device_reservations,
     devices,
     hosts,
@@ -28,11 +29,17 @@ from fleetlease.persistence.tables import (
 
 
 def _free_devices_sub(*, caps_text: bool = False) -> Any:
-    """Idle devices of live hosts without a reservation (params ``live_after``);
-    with ``caps_text`` the capabilities come as JSON text (see ``_FreeDevice``)."""
+    """Idle devices of live, undrained hosts without a reservation and not
+    drained themselves (params ``live_after``); with ``caps_text`` the
+    capabilities come as JSON text (see ``_FreeDevice``). The ranking and the
+    pairing both read this, so a drained host or device is excluded from both."""
     reserved = sa.exists().where(
         device_reservations.c.host_id == devices.c.host_id,
         device_reservations.c.device_id == devices.c.device_id,
+    )
+    drained = sa.exists().where(
+        device_drains.c.host_id == devices.c.host_id,
+        device_drains.c.device_id == devices.c.device_id,
     )
     caps: Any = devices.c.capabilities
     if caps_text:
@@ -45,7 +52,9 @@ def _free_devices_sub(*, caps_text: bool = False) -> Any:
             hosts.c.revoked_at.is_(None),
             hosts.c.session_generation > 0,
             hosts.c.last_seen > sa.bindparam("live_after", type_=hosts.c.last_seen.type),
+            hosts.c.drain_requested_at.is_(None),
             ~reserved,
+            ~drained,
         )
     )
 

@@ -191,6 +191,8 @@ class ViewMixin(UserMixin):
                         hosts.c.revoked_at,
                         hosts.c.workflows,
                         hosts.c.goal_runner,
+                        hosts.c.drain_requested_at,
+                        hosts.c.drain_deadline,
                         _live_host(now, self.timings.liveness_s).label("live"),
                         count.label("devices"),
                     ).order_by(hosts.c.host_id)
@@ -206,6 +208,14 @@ class ViewMixin(UserMixin):
                     "devices": r.devices,
                     "workflows": r.workflows,
                     "goal_runner": r.goal_runner,
+                    "drain": (
+                        {
+                            "requested_at": _iso(r.drain_requested_at),
+                            "deadline": _iso(r.drain_deadline),
+                        }
+                        if r.drain_requested_at is not None
+                        else None
+                    ),
                 }
                 for r in rows
             ]

@@ -160,6 +160,7 @@ async def test_host_reports_devices_and_they_appear_in_the_pool_with_last_seen_r
         "devices": 2,
         "workflows": None,
         "goal_runner": None,
+        "drain": None,
     }
     assert await world.repo.list_devices() == [
         {
