@@ -57,6 +57,8 @@ OPS_VERBS: frozenset[str] = frozenset(
         "host_list",
         "user_add",
         "project_add",
+        "project_set_retention",
+        "gc",
         "whoami",
     }
 )

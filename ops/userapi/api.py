@@ -13,8 +13,8 @@ Roles: a task can be read and cancelled by its owner, an admin (or the owner) of
 its project, or a platform admin; anyone else gets ``forbidden`` and nothing is
 written (the repository enforces this in the same transaction). Submitting into
 a project needs one of those roles on the project. Administrative verbs
-(``ADMIN_VERBS``: ``user_add``, ``project_add``, ``host_add``, ``host_revoke``,
-``host_list``) need a platform admin.
+(``ADMIN_VERBS``: ``user_add``, ``project_add``, ``project_set_retention``,
+``gc``, ``host_add``, ``host_revoke``, ``host_list``) need a platform admin.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ class OpsApi(TaskVerbs, FleetVerbs, AdminVerbs):
             "host_list": self.host_list,
             "user_add": self.user_add,
             "project_add": self.project_add,
+            "project_set_retention": self.project_set_retention,
+            "gc": self.gc,
         }
 
     @property

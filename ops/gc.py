@@ -1,0 +1,90 @@
+"""The retention collector of a control-plane process (``fleetlease serve``):
+a pass every ``interval_s`` (``persistence.retention.Retention.collect``), the
+``gc`` verb's passes and dry runs, and the deletion of what a committed batch
+freed outside PostgreSQL: artifact objects and staged chunks
+(``transport.artifacts.Artifacts``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import structlog
+
+from fleetlease.persistence.retention import Batch, Report, Retention
+
+log = structlog.get_logger("fleetlease.gc")
+
+#: Seconds between two passes of ``serve``'s collector by default.
+DEFAULT_INTERVAL_S = 300.0
+
+
+class Collector:
+    """Runs ``retention``'s passes one at a time (the periodic one and the
+    ``gc`` verb's never overlap) and frees each batch's objects through
+    ``artifacts`` (None: no object store, rows only)."""
+
+    def __init__(
+        self, retention: Retention, artifacts: Any = None, *, interval_s: float = DEFAULT_INTERVAL_S
+    ) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
+        self.retention = retention
+        self.artifacts = artifacts
+        self.interval_s = interval_s
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        #: The last periodic or requested pass (None before the first).
+        self.last: Report | None = None
+
+    async def run(self, *, dry_run: bool = False, max_batches: int | None = None) -> Report:
+        """A pass (of at most ``max_batches`` batches), or with ``dry_run`` the plan."""
+        if dry_run:
+            return await self.retention.plan()
+        async with self._lock:
+            report = await self.retention.collect(self._free, max_batches=max_batches)
+        self.last = report
+        if report.batches or report.objects_failed:
+            log.info(
+                "gc_pass",
+                batches=report.batches,
+                objects_deleted=report.objects_deleted,
+                objects_failed=report.objects_failed,
+                **report.total().as_dict(),
+            )
+        return report
+
+    async def _free(self, batch: Batch) -> tuple[int, int]:
+        if self.artifacts is None:
+            return 0, 0
+        try:
+            self.artifacts.purge_staged(batch.attempts)
+            deleted, failed = await self.artifacts.delete_objects(batch.object_names)
+        except Exception as exc:  # the rows are gone either way; the pass goes on
+            log.warning("gc_objects_failed", error=repr(exc), objects=len(batch.object_names))
+            return 0, len(batch.object_names)
+        return int(deleted), int(failed)
+
+    def start(self) -> None:
+        """The periodic pass, on the running loop (the first one at once)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the database is away: next pass
+                log.warning("gc_pass_failed", error=repr(exc))
+            await asyncio.sleep(self.interval_s)
+
+    async def stop(self) -> None:
+        self.retention.stop()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
