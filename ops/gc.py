@@ -35,6 +35,7 @@ class Collector:
         self.interval_s = interval_s
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
         #: The last periodic or requested pass (None before the first).
         self.last: Report | None = None
 
@@ -79,12 +80,19 @@ class Collector:
                 raise
             except Exception as exc:  # the database is away: next pass
                 log.warning("gc_pass_failed", error=repr(exc))
-            await asyncio.sleep(self.interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.interval_s)
+            if self._stop.is_set():
+                return
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """The pass running ends after its current batch and the deletion of
+        that batch's objects (cancelled after ``grace_s``)."""
         self.retention.stop()
+        self._stop.set()
         task, self._task = self._task, None
         if task is not None:
+            await asyncio.wait({task}, timeout=grace_s)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

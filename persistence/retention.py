@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -33,13 +33,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fleetlease.persistence.clock import Clock, SystemClock
 from fleetlease.persistence.errors import Invalid, NotFound
-from fleetlease.persistence.model import TERMINAL_STATES
 from fleetlease.persistence.tables import artifacts, attempts, log_lines, projects, tasks
 
 #: Expired tasks deleted per transaction by default.
 DEFAULT_BATCH = 500
 #: The longest retention accepted (100 years, in seconds).
 MAX_RETAIN_S = 100 * 365 * 86400
+
+#: Finished tasks, literally: the partial index's predicate, which the planner
+#: matches only against constants (never against bound parameters).
+_FINISHED = sa.text("tasks.status IN ('done', 'failed', 'cancelled')")
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"^\s*(\d+)\s*([smhdw]?)\s*$")
@@ -157,6 +160,18 @@ class Report:
 AfterBatch = Callable[[Batch], Awaitable[tuple[int, int]]]
 
 
+def expired_of(project: str, cutoff: datetime, limit: int) -> sa.Select[Any]:
+    """The oldest ``limit`` of ``project``'s tasks finished before ``cutoff``,
+    locked, skipping those locked by others."""
+    return (
+        sa.select(tasks.c.id, tasks.c.project)
+        .where(tasks.c.project == project, _FINISHED, tasks.c.finished_at < cutoff)
+        .order_by(tasks.c.finished_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+
+
 class Retention:
     """The retention policy of one database: the default (seconds, 0 or None:
     forever), the per-project overrides, the dry run and the collection."""
@@ -211,7 +226,7 @@ class Retention:
         keep = sa.func.coalesce(projects.c.retain_s, default)
         seconds = sa.literal_column("interval '1 second'", type_=sa.Interval())
         return sa.and_(
-            tasks.c.status.in_([s.value for s in TERMINAL_STATES]),
+            _FINISHED,
             keep > 0,
             tasks.c.finished_at < sa.literal(now, tasks.c.finished_at.type) - keep * seconds,
         )
@@ -272,22 +287,35 @@ class Retention:
 
     # --- the collection -------------------------------------------------------------------------
 
+    async def _cutoffs(self, conn: Any, now: datetime) -> list[tuple[str, datetime]]:
+        """Each project whose finished tasks expire, with the time before which
+        they have: the project's retention, else the default."""
+        rows = await conn.execute(sa.select(projects.c.name, projects.c.retain_s))
+        out = []
+        for name, retain_s in rows:
+            keep = self.default_s if retain_s is None else int(retain_s)
+            if keep > 0:
+                out.append((name, now - timedelta(seconds=keep)))
+        return out
+
     async def delete_batch(self, limit: int | None = None) -> Batch:
         """One transaction: at most ``limit`` (default ``batch``) expired tasks
         not locked by anyone else, deleted with their attempts, log lines and
-        artifact rows. An empty batch means nothing (unlocked) has expired."""
+        artifact rows. An empty batch means nothing (unlocked) has expired.
+        Each project's expired tasks are found oldest first on the finished
+        tasks' (project, finished_at) index, so tasks kept (another project's,
+        or not yet expired) are never scanned."""
         limit = self.batch if limit is None else limit
         now = self.clock.now()
         batch = Batch()
         async with self.engine.begin() as conn:
-            picked = (
-                await conn.execute(
-                    self._doomed(now)
-                    .order_by(tasks.c.finished_at)
-                    .limit(limit)
-                    .with_for_update(of=tasks, skip_locked=True)
-                )
-            ).all()
+            picked: list[Any] = []
+            for project, cutoff in await self._cutoffs(conn, now):
+                picked += (
+                    await conn.execute(expired_of(project, cutoff, limit - len(picked)))
+                ).all()
+                if len(picked) >= limit:
+                    break
             if not picked:
                 return batch
             ids = [row.id for row in picked]

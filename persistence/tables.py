@@ -141,9 +141,10 @@ sa.Index(
     unique=True,
     postgresql_where=tasks.c.request_id.isnot(None),
 )
-# The retention collector's scan for expired finished tasks (migration 0007).
+# The retention collector's scan for a project's expired tasks (migration 0007).
 sa.Index(
     "ix_tasks_finished",
+    tasks.c.project,
     tasks.c.finished_at,
     postgresql_where=sa.text("status IN ('done', 'failed', 'cancelled')"),
 )

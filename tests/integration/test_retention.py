@@ -19,7 +19,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from fleetlease.persistence.errors import Invalid, NotFound
 from fleetlease.persistence.model import TaskKind, TaskSpec, User
 from fleetlease.persistence.repository import Repository
-from fleetlease.persistence.retention import Retention, format_retention, parse_retention
+from fleetlease.persistence.retention import (
+    Retention,
+    expired_of,
+    format_retention,
+    parse_retention,
+)
 from tests.integration.test_transport_e2e import System, start_service, until
 
 pytestmark = pytest.mark.embedded
@@ -124,6 +129,33 @@ def test_durations_parse_and_print() -> None:
     assert format_retention(0) == "forever"
     assert format_retention(None) == "default"
     assert format_retention(61) == "61s"
+
+
+def test_the_finished_predicate_is_the_terminal_states() -> None:
+    from fleetlease.persistence import retention
+    from fleetlease.persistence.model import TERMINAL_STATES
+
+    states = {s.value for s in TERMINAL_STATES}
+    assert str(retention._FINISHED) == "tasks.status IN ('done', 'failed', 'cancelled')"
+    assert states == {"done", "failed", "cancelled"}
+
+
+async def test_expired_tasks_are_found_on_the_index(engine: AsyncEngine, repo: Repository) -> None:
+    """The batch's scan, with bound parameters as the driver sends them, uses
+    the finished tasks' partial index (its predicate is matched literally)."""
+    await insert_finished(engine, "short", 50, age_s=2 * HOUR, lines=0)
+    compiled = expired_of("short", datetime.now(UTC), 10).compile(dialect=engine.dialect)
+    params = [compiled.params[name] for name in compiled.positiontup or ()]
+    async with engine.connect() as conn:
+        raw = (await conn.get_raw_connection()).driver_connection
+        assert raw is not None
+        await raw.execute("SET enable_seqscan = off")
+        await raw.execute("SET plan_cache_mode = force_generic_plan")
+        rows = await raw.fetch("EXPLAIN " + str(compiled), *params)
+        await raw.execute("RESET ALL")
+    plan = "\n".join(r[0] for r in rows)
+    assert "ix_tasks_finished" in plan, plan
+    assert (await Retention(engine, default_s=HOUR).collect()).batches == [50]
 
 
 async def test_a_project_override_beats_the_default(engine: AsyncEngine, repo: Repository) -> None:
@@ -370,3 +402,31 @@ async def test_gc_deletes_expired_tasks_with_their_objects_and_keeps_the_rest(
     # Nothing left to do: a second pass deletes nothing.
     again = await ops.handle("gc", token, {})
     assert again["batches"] == [] and again["total"]["tasks"] == 0
+
+
+async def test_serve_collects_by_itself_every_interval(
+    db_url: str, nats_url: str, subject_prefix: str, state_dir: Path
+) -> None:
+    svc = await start_service(
+        db_url, nats_url, subject_prefix, state_dir, retain_s=HOUR, gc_interval_s=0.2
+    )
+    try:
+        assert svc.repo is not None and svc.engine is not None
+        await svc.repo.add_user("admin", platform_admin=True)
+        await svc.repo.add_project("short", owner="admin")
+        await svc.repo.add_host("h0")
+        old = await insert_finished(svc.engine, "short", 3, age_s=2 * HOUR)
+        recent = await insert_finished(svc.engine, "short", 2, age_s=60)
+        engine = svc.engine
+
+        async def gone() -> bool:
+            return not await present(engine, old)
+
+        await until(gone)
+        assert await present(engine, recent) == set(recent)
+        assert svc.gc.last is not None
+    finally:
+        if svc.server is not None:
+            await svc.server.delete_storage()
+        await svc.stop()
+    assert svc.gc is None

@@ -3,7 +3,8 @@
 ``projects.retain_s``: how long a finished task of the project (its attempts,
 log lines and artifacts) is kept, in seconds; NULL follows the control
 plane's default (``serve --retain``), 0 keeps them forever. The partial index
-on ``tasks.finished_at`` serves the collector's scan for expired tasks.
+on the finished tasks' ``(project, finished_at)`` serves the collector's scan
+for each project's expired tasks.
 
 Revision ID: 0007
 Revises: 0004
@@ -28,7 +29,7 @@ def upgrade() -> None:
     op.create_index(
         "ix_tasks_finished",
         "tasks",
-        ["finished_at"],
+        ["project", "finished_at"],
         postgresql_where=sa.text("status IN ('done', 'failed', 'cancelled')"),
     )
 
