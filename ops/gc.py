@@ -12,7 +12,7 @@ from typing import Any
 
 import structlog
 
-from fleetlease.persistence.retention import Batch, Report, Retention
+from fleetlease.persistence.retention import Batch, Report, Retention, Usage
 
 log = structlog.get_logger("fleetlease.gc")
 
@@ -38,6 +38,10 @@ class Collector:
         self._stop = asyncio.Event()
         #: The last periodic or requested pass (None before the first).
         self.last: Report | None = None
+        #: What this process's passes deleted since it started (``/metrics``).
+        self.deleted = Usage()
+        self.objects_deleted = 0
+        self.objects_failed = 0
 
     async def run(self, *, dry_run: bool = False, max_batches: int | None = None) -> Report:
         """A pass (of at most ``max_batches`` batches), or with ``dry_run`` the plan."""
@@ -46,6 +50,9 @@ class Collector:
         async with self._lock:
             report = await self.retention.collect(self._free, max_batches=max_batches)
         self.last = report
+        self.deleted.add(report.total())
+        self.objects_deleted += report.objects_deleted
+        self.objects_failed += report.objects_failed
         if report.batches or report.objects_failed:
             log.info(
                 "gc_pass",
@@ -55,6 +62,14 @@ class Collector:
                 **report.total().as_dict(),
             )
         return report
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative counts for ``/metrics``: rows and bytes, objects deleted
+        and objects whose deletion failed."""
+        out = self.deleted.as_dict()
+        out["objects"] = self.objects_deleted
+        out["objects_failed"] = self.objects_failed
+        return out
 
     async def _free(self, batch: Batch) -> tuple[int, int]:
         if self.artifacts is None:

@@ -6,6 +6,7 @@ reports and deletes nothing."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -16,6 +17,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from fleetlease.ops.observe.collectors import ControlPlaneCollector
 from fleetlease.persistence.errors import Invalid, NotFound
 from fleetlease.persistence.model import TaskKind, TaskSpec, User
 from fleetlease.persistence.repository import Repository
@@ -377,6 +379,13 @@ async def test_gc_deletes_expired_tasks_with_their_objects_and_keeps_the_rest(
     }
     assert await system.server.read_artifact(object_name) == data
 
+    js = system.nc.jetstream()
+    stream = f"OBJ_{system.server.artifact_bucket}"
+    encoded = base64.urlsafe_b64encode(object_name.encode()).decode()
+    meta = f"$O.{system.server.artifact_bucket}.M.{encoded}"
+    stored_before = (await js.stream_info(stream)).state.bytes
+    assert (await js.stream_info(stream, subjects_filter=meta)).state.subjects
+
     done = await ops.handle("gc", token, {})
     assert done["batches"] == [1] and done["complete"]
     assert done["projects"] == plan["projects"]
@@ -396,6 +405,11 @@ async def test_gc_deletes_expired_tasks_with_their_objects_and_keeps_the_rest(
             assert n.scalar_one() == 0, table
     with pytest.raises(NotFound):
         await system.server.read_artifact(object_name)
+    # Its chunks and its metadata are gone from the stream, no tombstone left.
+    assert not (await js.stream_info(stream, subjects_filter=meta)).state.subjects
+    stored_after = (await js.stream_info(stream)).state.bytes
+    assert stored_before - stored_after >= len(data)
+    print(f"object store: {stored_before} -> {stored_after} bytes")
     # The others' objects are untouched.
     kept = (await system.repo.list_artifacts(recent, ADMIN))[0]["object_name"]
     assert await system.server.read_artifact(kept) == b"recent"
@@ -422,9 +436,18 @@ async def test_serve_collects_by_itself_every_interval(
         async def gone() -> bool:
             return not await present(engine, old)
 
+        async def counted() -> bool:
+            return bool(svc.gc.counters()["tasks"] == 3)
+
         await until(gone)
+        await until(counted)  # the pass ends after its batch's objects
         assert await present(engine, recent) == set(recent)
         assert svc.gc.last is not None
+        # The metrics hook: what this process deleted, read at scrape time.
+        scraped = ControlPlaneCollector(svc, asyncio.get_running_loop())
+        families = {m.name: m for m in await asyncio.to_thread(lambda: list(scraped.collect()))}
+        deleted = {s.labels["what"]: s.value for s in families["fleetlease_gc_deleted"].samples}
+        assert deleted["tasks"] == 3 and deleted["log_lines"] == 9 and deleted["artifacts"] == 3
     finally:
         if svc.server is not None:
             await svc.server.delete_storage()
