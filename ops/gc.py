@@ -18,6 +18,8 @@ log = structlog.get_logger("fleetlease.gc")
 
 #: Seconds between two passes of ``serve``'s collector by default.
 DEFAULT_INTERVAL_S = 300.0
+#: Batches one run holds the collector for (a pass is as many runs as it takes).
+PASS_BATCHES = 10
 
 
 class Collector:
@@ -90,7 +92,11 @@ class Collector:
     async def _loop(self) -> None:
         while True:
             try:
-                await self.run()
+                # In runs of PASS_BATCHES, so a ``gc`` request waits for one run
+                # at most, never for a whole backlog.
+                while not (await self.run(max_batches=PASS_BATCHES)).complete:
+                    if self._stop.is_set():
+                        return
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the database is away: next pass

@@ -10,6 +10,7 @@ from typing import Any
 
 import structlog
 
+from fleetlease.ops.gc import PASS_BATCHES
 from fleetlease.ops.userapi.args import Args
 from fleetlease.ops.userapi.context import ApiContext
 from fleetlease.ops.userapi.projection import plain, project_host
@@ -19,9 +20,6 @@ from fleetlease.persistence.retention import check_retention, format_retention
 
 log = structlog.get_logger("fleetlease.ops")
 
-#: Batches one ``gc`` request deletes at most, so that it answers within a
-#: client's timeout; ``complete`` false in the reply: ask again.
-GC_MAX_BATCHES = 10
 
 ADMIN_VERBS = frozenset(
     {
@@ -129,12 +127,14 @@ class AdminVerbs(ApiContext):
         }
 
     async def gc(self, user: User, args: Any) -> dict[str, Any]:
-        """A retention pass now (``dry_run``: what it would delete, nothing
-        deleted): counts and bytes per project, and the batches committed."""
+        """A retention pass now, of at most ``PASS_BATCHES`` batches so that it
+        answers within a client's timeout (``complete`` false: ask again);
+        ``dry_run``: what it would delete, nothing deleted. Counts and bytes
+        per project, and the batches committed."""
         a = Args(args, ("dry_run",))
         dry_run = a.flag("dry_run")
         gc = self._collector()
-        report = await gc.run(dry_run=dry_run, max_batches=GC_MAX_BATCHES)
+        report = await gc.run(dry_run=dry_run, max_batches=PASS_BATCHES)
         if not dry_run:
             log.info("gc_requested", by=user.name, batches=report.batches)
         out: dict[str, Any] = report.as_dict()
