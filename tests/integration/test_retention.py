@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -214,7 +215,10 @@ async def test_batches_are_bounded(engine: AsyncEngine, repo: Repository) -> Non
         freed.append(len(batch.object_names))
         return len(batch.object_names), 0
 
+    started = time.perf_counter()
     report = await ret.collect(after)
+    took = time.perf_counter() - started
+    print(f"gc: 1200 tasks (2400 log lines, 1200 artifacts) in 3 batches, {took * 1000:.0f} ms")
     assert report.batches == [500, 500, 200]
     assert freed == [500, 500, 200]
     assert report.projects["short"].as_dict() == plan.projects["short"].as_dict()
