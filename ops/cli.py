@@ -57,6 +57,7 @@ COMMAND_MODULES = [
     "fleetlease.ops.commands.web",
     "fleetlease.ops.commands.soak",
     "fleetlease.ops.commands.status",
+    "fleetlease.ops.commands.retention",
 ]
 
 EPILOG = """exit codes:

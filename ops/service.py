@@ -97,6 +97,13 @@ class ControlPlaneService:
     #: None: no listener). ``metrics_optional``: a bind failure is logged, not raised.
     metrics: str | None = None
     metrics_optional: bool = False
+    #: Default retention of finished tasks, seconds (``serve --retain``; 0 or
+    #: None: forever); a project's own (``projects.retain_s``) overrides it.
+    retain_s: int | None = None
+    #: Seconds between retention passes (``ops.gc``); None: only on request.
+    gc_interval_s: float | None = 300.0
+    #: Expired tasks deleted per transaction.
+    gc_batch: int = 500
 
     engine: AsyncEngine | None = None
     repo: Repository | None = None
@@ -105,6 +112,7 @@ class ControlPlaneService:
     ops: Any = None
     broker_auth: Any = None
     observer: Any = None
+    gc: Any = None
 
     async def start(self) -> ControlPlaneService:
         from fleetlease.actors.runtime import ControlPlane
@@ -146,6 +154,7 @@ class ControlPlaneService:
                 channels=self.channels,
             )
             await self.server.start()
+            self._start_gc()
             if self.metrics:
                 self.observer = observe.for_service(
                     self, self.metrics, optional=self.metrics_optional
@@ -155,6 +164,22 @@ class ControlPlaneService:
             raise
         log.info("control_plane_started", prefix=self.prefix)
         return self
+
+    def _start_gc(self) -> None:
+        from fleetlease.ops.gc import DEFAULT_INTERVAL_S, Collector
+        from fleetlease.persistence.retention import Retention
+
+        assert self.engine is not None
+        retention = Retention(
+            self.engine, default_s=self.retain_s, clock=self.clock, batch=self.gc_batch
+        )
+        self.gc = Collector(
+            retention,
+            getattr(self.server, "artifacts", None),
+            interval_s=self.gc_interval_s or DEFAULT_INTERVAL_S,
+        )
+        if self.gc_interval_s is not None:
+            self.gc.start()
 
     def _ops_api(self) -> Any:
         try:
@@ -190,6 +215,9 @@ class ControlPlaneService:
         (the queue group's other members get them); the control plane releases
         parked long-polls, lets the requests in flight commit and stops its
         actors; the server sends the last replies and closes its connections."""
+        if self.gc is not None:
+            await self.gc.stop()  # after its current batch
+            self.gc = None
         if self.ops is not None and hasattr(self.ops, "close"):
             self.ops.close()  # parked `events` long-polls answer now
         if self.server is not None:

@@ -40,6 +40,10 @@ projects = sa.Table(
     sa.Column("name", sa.Text, primary_key=True),
     sa.Column("owner", sa.Text, sa.ForeignKey("users.name"), nullable=False),
     sa.Column("created_at", TS, nullable=False),
+    # How long the project's finished tasks are kept, seconds (migration 0007):
+    # NULL follows the control plane's default, 0 keeps them forever.
+    sa.Column("retain_s", sa.BigInteger),
+    sa.CheckConstraint("retain_s IS NULL OR retain_s >= 0", name="retain_s"),
 )
 
 project_admins = sa.Table(
@@ -152,6 +156,13 @@ sa.Index(
     tasks.c.request_id,
     unique=True,
     postgresql_where=tasks.c.request_id.isnot(None),
+)
+# The retention collector's scan for a project's expired tasks (migration 0007).
+sa.Index(
+    "ix_tasks_finished",
+    tasks.c.project,
+    tasks.c.finished_at,
+    postgresql_where=sa.text("status IN ('done', 'failed', 'cancelled')"),
 )
 # The assigner's per-project scan in rank order (migration 0002).
 sa.Index(

@@ -16,6 +16,7 @@ and nothing is recorded.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import os
@@ -26,7 +27,9 @@ from typing import IO, TYPE_CHECKING, Any, cast
 
 import structlog
 from nats.aio.client import Client as NatsClient
+from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
+from nats.js.object_store import OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from fleetlease.persistence.errors import Conflict, Invalid, NotFound, Unavailable
 from fleetlease.persistence.model import Session
@@ -239,6 +242,36 @@ class Artifacts:
         except NotFoundError:
             raise NotFound(f"artifact object {object_name!r} is missing", field="name") from None
         return bytes(result.data or b"")
+
+    async def delete_objects(self, object_names: Iterable[str]) -> tuple[int, int]:
+        """Delete these objects (retention: their artifact rows are already
+        gone; an object name is its task's and attempt's own, so no other row
+        refers to it) and their metadata. A missing object counts as deleted.
+        Returns (deleted, failed); a failure is logged, not raised."""
+        names = sorted(set(object_names))
+        if not names:
+            return 0, 0
+        store = await self._store()
+        js = await self._js()
+        stream = OBJ_STREAM_TEMPLATE.format(bucket=self.artifact_bucket)
+        deleted = failed = 0
+        for name in names:
+            if self._stopped:
+                break
+            try:
+                with contextlib.suppress(NotFoundError):
+                    await store.delete(name)
+                # ObjectStore.delete leaves a tombstone; nothing will read it.
+                meta = OBJ_META_PRE_TEMPLATE.format(
+                    bucket=self.artifact_bucket,
+                    obj=base64.urlsafe_b64encode(name.encode()).decode(),
+                )
+                await js.purge_stream(stream, subject=meta)
+                deleted += 1
+            except (NatsError, TimeoutError, Unavailable) as exc:
+                failed += 1
+                log.warning("artifact_delete_failed", object_name=name, error=repr(exc))
+        return deleted, failed
 
     async def delete_storage(self) -> None:
         """Remove this prefix's object store bucket and staging stream (tests)."""

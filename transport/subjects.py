@@ -61,6 +61,8 @@ OPS_VERBS: frozenset[str] = frozenset(
         "device_undrain",
         "user_add",
         "project_add",
+        "project_set_retention",
+        "gc",
         "whoami",
     }
 )

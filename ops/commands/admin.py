@@ -1,6 +1,6 @@
 """The administrative commands: ``host add|revoke|list`` (``host drain|undrain``
-are in ``drain.py``), ``user add``, ``project add`` (a platform admin's), and
-``whoami``.
+are in ``drain.py``), ``user add``, ``project add`` and ``project set-retention``
+(``retention.py``; a platform admin's), and ``whoami``.
 
 ``user add`` and ``project add`` also have a ``--direct`` mode that writes to the
 database without a token: how the first platform admin of a system not started
@@ -23,7 +23,7 @@ import structlog
 from fleetlease.ops import render
 from fleetlease.ops.cli import EXIT_OK, EXIT_UNAVAILABLE, CliError
 from fleetlease.ops.client import OpsClient
-from fleetlease.ops.commands import drain
+from fleetlease.ops.commands import drain, retention
 from fleetlease.ops.commands.shared import command_adder, output, run
 from fleetlease.ops.config import from_args, read_context
 from fleetlease.ops.logging import configure_logging
@@ -61,6 +61,7 @@ def register(sub: Any) -> None:
         "--admin", action="append", default=[], metavar="USER", help="a project admin (repeatable)"
     )
     add_direct(p)
+    retention.add_set_retention(project, cmd)
 
     cmd("whoami", "who the token belongs to", cmd_whoami)
 

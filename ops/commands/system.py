@@ -20,6 +20,7 @@ import structlog
 
 from fleetlease.ops import eventloop, interpreter
 from fleetlease.ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError, add_common
+from fleetlease.ops.commands import retention
 from fleetlease.ops.commands.status import add_metrics_flag, metrics_from_args
 from fleetlease.ops.config import ensure_state_dir, from_args, write_context
 from fleetlease.ops.logging import configure_logging
@@ -62,6 +63,7 @@ def register(sub: Any) -> None:
         help="where to serve the web console (default 127.0.0.1:8080; 'off' for none)",
     )
     add_metrics_flag(p, default_on=True)
+    retention.add_retain_flag(p)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("serve", help="run the control plane (actors + NATS handlers)")
@@ -86,6 +88,7 @@ def register(sub: Any) -> None:
         "every connection re-proves its host or user this often (default 300)",
     )
     add_metrics_flag(p, default_on=True)
+    retention.add_retain_flag(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -181,6 +184,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if workflows is not None and not Path(workflows).is_dir():
         raise CliError(f"--workflows {args.workflows}: not a directory", EXIT_USAGE)
     metrics, metrics_optional = metrics_from_args(args, default_on=True)
+    retain_s = retention.retain_from_args(args)
     try:
         ensure_state_dir(settings.state_dir)
         log_dir = settings.state_dir / "logs"
@@ -210,6 +214,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     web=None if args.web == "off" else args.web,
                     metrics=metrics,
                     metrics_optional=metrics_optional,
+                    retain_s=retain_s,
                 )
                 try:
                     interpreter.tune()
@@ -282,6 +287,8 @@ class LocalSystem:
     #: HOST:PORT of the metrics listener (None: none); see ``ops/observe``.
     metrics: str | None = None
     metrics_optional: bool = False
+    #: Default retention of finished tasks, seconds (0: forever).
+    retain_s: int = 0
 
     @property
     def state_dir(self) -> Path:
@@ -307,6 +314,7 @@ class LocalSystem:
             broker_security=self.services.broker_security,
             metrics=self.metrics,
             metrics_optional=self.metrics_optional,
+            retain_s=self.retain_s,
         )
         stopped = asyncio.ensure_future(asyncio.to_thread(self.stop.wait))
         try:
@@ -660,6 +668,7 @@ async def run_control_plane(
     heartbeat_s: float = 5.0,
     broker_jwt_expires_s: float = 300.0,
     metrics: tuple[str | None, bool] = (None, False),
+    retain_s: int | None = None,
 ) -> None:
     from fleetlease.ops.service import ControlPlaneService, install_chaos_hook
 
@@ -676,6 +685,7 @@ async def run_control_plane(
         broker_jwt_expires_s=broker_jwt_expires_s,
         metrics=metrics[0],
         metrics_optional=metrics[1],
+        retain_s=retain_s,
     )
     await service.start()
     try:
@@ -713,6 +723,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(debug=settings.debug, cache=True)
     timings = timings_from_args(args)
     metrics = metrics_from_args(args, default_on=True)
+    retain_s = retention.retain_from_args(args)
     try:
         ensure_state_dir(settings.state_dir)
         asyncio.run(_serve_precheck(settings))
@@ -733,6 +744,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     heartbeat_s=args.heartbeat_s,
                     broker_jwt_expires_s=args.broker_jwt_expiry_s,
                     metrics=metrics,
+                    retain_s=retain_s,
                 )
             )
     except (AlreadyRunning, Unreachable) as exc:

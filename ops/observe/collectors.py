@@ -101,6 +101,9 @@ class ControlPlaneCollector(Collector):
             memory["parked"] = cp.parked_claims
             feed = getattr(self.service.ops, "feed", None)
             memory["parked_events"] = feed.parked if feed is not None else 0
+        gc = getattr(self.service, "gc", None)
+        if gc is not None:
+            memory["gc"] = gc.counters()
         broker = self.service.broker_auth
         if broker is not None:
             memory["broker"] = {"granted": broker.granted, "refused": broker.refused}
@@ -163,6 +166,17 @@ class ControlPlaneCollector(Collector):
             for decision, n in sorted(memory["broker"].items()):
                 decisions.add_metric([decision], n)
             yield decisions
+        if "gc" in memory:
+            deleted = CounterMetricFamily(
+                "fleetlease_gc_deleted",
+                "What this process's retention passes deleted, by what: finished tasks, "
+                "attempts, log lines and bytes, artifacts and bytes, objects (and "
+                "objects_failed: left in the object store after their rows went).",
+                labels=["what"],
+            )
+            for what, n in sorted(memory["gc"].items()):
+                deleted.add_metric([what], n)
+            yield deleted
         if rows is None:
             return
         tasks = GaugeMetricFamily(

@@ -13,9 +13,10 @@ Roles: a task can be read and cancelled by its owner, an admin (or the owner) of
 its project, or a platform admin; anyone else gets ``forbidden`` and nothing is
 written (the repository enforces this in the same transaction). Submitting into
 a project needs one of those roles on the project. Administrative verbs
-(``ADMIN_VERBS``: ``user_add``, ``project_add``, ``host_add``, ``host_revoke``,
-``host_list``; ``DRAIN_VERBS``: ``host_drain``, ``host_undrain``,
-``device_drain``, ``device_undrain``) need a platform admin.
+(``ADMIN_VERBS``: ``user_add``, ``project_add``, ``project_set_retention``,
+``gc``, ``host_add``, ``host_revoke``, ``host_list``; ``DRAIN_VERBS``:
+``host_drain``, ``host_undrain``, ``device_drain``, ``device_undrain``) need a
+platform admin.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class OpsApi(TaskVerbs, FleetVerbs, AdminVerbs, DrainVerbs):
             "host_undrain": self.host_undrain,
             "device_drain": self.device_drain,
             "device_undrain": self.device_undrain,
+            "project_set_retention": self.project_set_retention,
+            "gc": self.gc,
         }
 
     @property

@@ -57,6 +57,7 @@ ALLOWED_LABELS: dict[str, set[str]] = {
     "fleetlease_nats_slow_consumers": {"connection"},
     "fleetlease_parked_long_polls": {"kind"},
     "fleetlease_broker_auth_decisions": {"decision"},
+    "fleetlease_gc_deleted": {"what"},
 }
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
