@@ -78,7 +78,7 @@ async def test_a_drained_device_is_skipped_and_the_drain_outlives_heartbeats(
     got = await world.repo.assign()
 
     assert [(a.task_id, a.device_id) for a in got] == [(ids[0], "d2")]
-    views = {d["device_id"]: d["drained"] for d in await world.repo.fleet_devices(host_id="h1")}
+    views = {d["device_id"]: d["drained"] for d in await world.repo.fleet_devices(world.root, host_id="h1")}
     assert views == {"d1": True, "d2": False}
     await world.repo.undrain_device("h1", "d1")
     (a,) = await world.repo.assign()
@@ -97,7 +97,7 @@ async def test_hosts_and_devices_show_the_drain(world: World) -> None:
     }
     assert hosts["h2"]["drain"] is None
     assert out["deadline"] is not None
-    devices = {d["host_id"]: d["drained"] for d in await world.repo.fleet_devices()}
+    devices = {d["host_id"]: d["drained"] for d in await world.repo.fleet_devices(world.root)}
     assert devices == {"h1": True, "h2": False}
     # A second drain keeps the first request's time and replaces the deadline.
     world.clock.advance(5)
