@@ -8,9 +8,11 @@ import pytest
 from fleetlease.persistence.errors import Forbidden, Gone
 from fleetlease.persistence.model import Outcome
 from fleetlease.persistence.repository.sidechannels import LogLimits
+from fleetlease.transport import wire
 from tests.integration.test_repository_support import World, world
+from tests.integration.test_transport_e2e import ADMIN, System, system
 
-__all__ = ["world"]
+__all__ = ["system", "world"]
 
 pytestmark = pytest.mark.embedded
 
@@ -116,3 +118,27 @@ async def test_another_hosts_attempt_is_still_forbidden_before_any_cap(world: Wo
     with pytest.raises(Forbidden):
         await world.repo.append_logs(other, c.task_id, 1, 0, ["x", "y"])
     assert await _counters(world, c.task_id) == (0, 0, False)
+
+
+async def test_over_nats_a_capped_log_is_truncated_and_a_closed_one_is_gone(
+    system: System,
+) -> None:
+    system.repo.log_limits = LogLimits(max_lines=3, grace_s=0.0)
+    h = await system.host("h1")
+    a = await system.running(h)
+    c = h.client
+
+    await c.append_logs(a.task_id, a.attempt, 1, ["one", "two", "three", "four", "five"])
+    await c.append_logs(a.task_id, a.attempt, 6, ["six"])
+    await c.result(a.task_id, a.attempt, a.lease_token, outcome="done", fingerprint="f")
+    with pytest.raises(wire.RemoteError) as err:
+        await c.append_logs(a.task_id, a.attempt, 7, ["after the result"])
+
+    assert err.value.code == "gone"
+    lines = await system.repo.read_logs(a.task_id, ADMIN)
+    assert [(r["seq"], r["line"]) for r in lines] == [
+        (1, "one"),
+        (2, "two"),
+        (3, "three"),
+        (4, system.repo.log_limits.marker()),
+    ]
