@@ -85,11 +85,10 @@ class SideChannelMixin(FencingMixin, ViewMixin):
     async def _log_target(
         self, conn: AsyncConnection, session: Session, task_id: str, attempt: int
     ) -> Any:
-        """The attempt's row (host, end, log counters), locked for this append.
-        Locks in the order every transition takes them (task, then attempt): the
-        task row ``FOR KEY SHARE`` (what the log line's foreign key takes anyway),
-        the attempt row ``FOR NO KEY UPDATE`` (appends of one attempt queue here,
-        so the counters stay exact)."""
+        """The attempt's row (host, end, log counters), locked for this append:
+        the task row ``FOR KEY SHARE`` first (what the log lines' foreign key
+        takes anyway), then the attempt row ``FOR NO KEY UPDATE`` (appends to one
+        attempt queue here, so the counters stay exact)."""
         await self._check_session_row(conn, session)
         task = (
             await conn.execute(
