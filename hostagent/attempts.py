@@ -28,7 +28,8 @@ Confirmed journal entries that this process is not running (a restart) are
 resumed: a finished one is reported again with the fingerprint stored in the
 journal, an unfinished one is run again from the start on its device. Every
 such resume is counted in the journal entry (committed before the runner
-starts); an entry already resumed ``max_resumes`` times is not run again but
+starts), and the count places the run's log lines after every earlier run's
+(``journal.log_seq_base``); an entry already resumed ``max_resumes`` times is not run again but
 reported as a retryable failure ("agent died N times running this attempt"),
 so a task that kills its agent cannot crash-loop a promptly restarted agent:
 the control plane retries it elsewhere or fails it after its max attempts.
@@ -55,7 +56,7 @@ from fleetlease.hostagent.config import (
 )
 from fleetlease.hostagent.devices import UnknownDevice
 from fleetlease.hostagent.errors import Aborted
-from fleetlease.hostagent.journal import EntryState, JournalError, JournalRecord
+from fleetlease.hostagent.journal import EntryState, JournalError, JournalRecord, log_seq_base
 from fleetlease.hostagent.retry import TRANSIENT_CODES, Backoff, sleep_or_event
 from fleetlease.hostagent.runners import RunContext, RunOutcome
 from fleetlease.hostagent.runners.base import GuardedRunner
@@ -279,6 +280,9 @@ class Attempts:
             return reason
         journal = self._state.journal_or_fail()
         count = await self._state.journal_calls.call(journal.begin_resume, rec.task_id, rec.attempt)
+        # This run's log lines take seqs no earlier run used: the control plane
+        # ignores a seq it already has.
+        att.log_seq = log_seq_base(count)
         log.info("attempt_resume_counted", task_id=rec.task_id, attempt=rec.attempt, resumes=count)
         return None
 

@@ -19,6 +19,13 @@ column was added after the first release: a journal file without it gets it
 (``ALTER TABLE ... ADD COLUMN``, default 0) when opened, and a record without a
 value reads as 0.
 
+The resume count also numbers the attempt's log: the control plane keeps one
+line per (task, attempt, seq) and ignores a repeated seq, so each run of an
+attempt ships its lines from its own range of seqs, starting after
+:func:`log_seq_base` of its resume count (run 0 from 1, the first resumed run
+from ``2**32 + 1``, ...). The count is committed before the resumed run logs
+anything, so no two runs share a range, and nothing is written per line.
+
 Each entry also lists the process groups its steps started (``pgroups``, added
 the same way), so a restarted agent can end those an agent that died left
 running (see ``hostagent.execution``).
@@ -61,6 +68,7 @@ __all__ = [
     "JournalThread",
     "UnknownEntry",
     "canonical_json",
+    "log_seq_base",
     "result_fingerprint",
 ]
 
@@ -105,6 +113,19 @@ class UnknownEntry(JournalError):
         )
         self.task_id = task_id
         self.attempt = attempt
+
+
+#: The seqs of one run of an attempt's log: run ``n`` (resumed ``n`` times)
+#: numbers its lines from ``n * LOG_SEQ_RUN_SPAN + 1``.
+LOG_SEQ_RUN_SPAN = 2**32
+#: Runs beyond this share the last range (the wire takes seqs below 2**62).
+_LOG_SEQ_MAX_RUN = 2**30 - 1
+
+
+def log_seq_base(resumes: int) -> int:
+    """The seq after which the run of an attempt resumed ``resumes`` times
+    numbers its log lines."""
+    return min(max(resumes, 0), _LOG_SEQ_MAX_RUN) * LOG_SEQ_RUN_SPAN
 
 
 def _utcnow() -> datetime:

@@ -1,15 +1,27 @@
 """structlog configuration: JSON lines when not on a terminal, a console renderer
 on one. Secrets are never passed to a logger; this also drops any field whose name
-says it is one, as a second line of defence."""
+says it is one, as a second line of defence.
+
+A log file (``up``'s ``up.log``) is rotated by size (``logging.handlers.
+RotatingFileHandler``): at most ``LOG_FILE_MAX_BYTES`` per file and
+``LOG_FILE_BACKUPS`` older files beside it (``up.log.1`` ... ``up.log.4``), so
+the log of a control plane, whatever its clients send, takes at most 320 MiB."""
 
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import sys
 from collections.abc import MutableMapping
+from pathlib import Path
 from typing import Any
 
 import structlog
+
+#: Size at which a log file is rotated (64 MiB).
+LOG_FILE_MAX_BYTES = 64 * 1024 * 1024
+#: Rotated files kept beside the current one.
+LOG_FILE_BACKUPS = 4
 
 _SECRET_KEYS = ("token", "credential", "session_key", "password", "secret", "signature")
 
@@ -50,3 +62,38 @@ def configure_logging(
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=cache,
     )
+
+
+class RotatingFileLogger:
+    """A structlog logger that writes each rendered line through a
+    ``RotatingFileHandler`` (which rotates the file by size, under its lock)."""
+
+    def __init__(self, handler: logging.Handler) -> None:
+        self._handler = handler
+
+    def msg(self, message: str) -> None:
+        record = logging.makeLogRecord(
+            {"msg": message, "levelno": logging.INFO, "levelname": "INFO"}
+        )
+        self._handler.handle(record)
+
+    log = debug = info = warn = warning = error = critical = fatal = exception = msg
+
+
+def configure_file_logging(
+    path: Path,
+    *,
+    debug: bool = False,
+    max_bytes: int = LOG_FILE_MAX_BYTES,
+    backups: int = LOG_FILE_BACKUPS,
+) -> logging.handlers.RotatingFileHandler:
+    """Log JSON lines to ``path``, rotated at ``max_bytes`` with ``backups``
+    older files kept. Returns the handler: close it after switching logging
+    elsewhere (``configure_logging``)."""
+    handler = logging.handlers.RotatingFileHandler(
+        path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8"
+    )
+    logger = RotatingFileLogger(handler)
+    configure_logging(debug=debug, json=True)
+    structlog.configure(logger_factory=lambda *_: logger)
+    return handler

@@ -198,6 +198,10 @@ attempts = sa.Table(
     sa.Column("cancel_requested_at", TS),
     sa.Column("ended_at", TS),
     sa.Column("end_reason", sa.Text),
+    # What the attempt's log holds so far (``Repository.append_logs`` caps it).
+    sa.Column("log_lines", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("log_bytes", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("log_truncated", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Index("ix_attempts_host_active", "host_id", postgresql_where=sa.text("ended_at IS NULL")),
 )
 

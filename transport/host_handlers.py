@@ -48,6 +48,7 @@ from fleetlease.transport import wire
 from fleetlease.transport.artifacts import Artifacts
 from fleetlease.transport.auth import AuthError, Verifier, session_key
 from fleetlease.transport.broker_auth import open_register_proof
+from fleetlease.transport.clip import MAX_MESSAGE_CHARS, clip, clip_repr
 from fleetlease.transport.subjects import Channel, Subjects
 
 if TYPE_CHECKING:
@@ -171,10 +172,11 @@ class HostHandlers:
         try:
             hs = self.subjects.parse_host_subject(msg.subject)
         except ValueError as exc:
-            raise wire.DecodeError("bad_subject", str(exc)) from None
+            # The subject is the sender's: quoted clipped.
+            raise wire.DecodeError("bad_subject", clip(exc, MAX_MESSAGE_CHARS)) from None
         expected = HOST_VERBS.get((hs.channel, hs.verb))
         if expected is None:
-            raise wire.DecodeError("unknown_verb", f"unknown verb {hs.verb!r}")
+            raise wire.DecodeError("unknown_verb", f"unknown verb {clip_repr(hs.verb)}")
         env = wire.decode(msg.data)
         if type(env.msg) is not expected:
             raise wire.DecodeError(

@@ -48,6 +48,7 @@ from fleetlease.transport.artifacts import ARTIFACT_BUCKET, Artifacts, artifact_
 from fleetlease.transport.auth import AuthError, Verifier
 from fleetlease.transport.background import background
 from fleetlease.transport.broker_auth import ROLE_LIMITS
+from fleetlease.transport.clip import MAX_MESSAGE_CHARS, MAX_SUBJECT_CHARS, clip
 from fleetlease.transport.events import EventFanout
 from fleetlease.transport.host_handlers import HOST_VERBS, ControlPlaneLike, HostHandlers
 from fleetlease.transport.ops_channel import OpsChannel, OpsHandler
@@ -478,8 +479,8 @@ class Server:
             log.warning(
                 "requests_shed",
                 channel=state.channel.value,
-                principal=principal,
-                reason=reason,
+                principal=clip(principal),
+                reason=clip(reason, MAX_MESSAGE_CHARS),
                 shed=state.shed,
             )
         if msg.reply and self.subjects.reply_allowed(msg.subject, msg.reply):
@@ -524,9 +525,9 @@ class Server:
                 inbox = self.subjects.reply_inbox(msg.subject)
                 log.warning(
                     "reply_subject_refused",
-                    principal=inbox.principal if inbox else None,
-                    subject=msg.subject,
-                    reply=msg.reply[:256],
+                    principal=clip(inbox.principal) if inbox else None,
+                    subject=clip(msg.subject, MAX_SUBJECT_CHARS),
+                    reply=clip(msg.reply, MAX_SUBJECT_CHARS),
                 )
                 metrics.request_error(msg.subject, "forbidden")  # refused, never answered
                 return
@@ -535,13 +536,19 @@ class Server:
             if msg.reply:
                 nc = state.nc
                 if nc is not None and len(reply) > nc.max_payload:
-                    log.error("reply_too_large", subject=msg.subject, size=len(reply))
+                    log.error(
+                        "reply_too_large",
+                        subject=clip(msg.subject, MAX_SUBJECT_CHARS),
+                        size=len(reply),
+                    )
                     reply = _error("internal", "reply too large")
                 try:
                     await msg.respond(reply)
                 except Exception as exc:
                     log.warning(
-                        "reply_failed", subject=msg.subject, error=str(exc) or type(exc).__name__
+                        "reply_failed",
+                        subject=clip(msg.subject, MAX_SUBJECT_CHARS),
+                        error=str(exc) or type(exc).__name__,
                     )
         finally:
             sem.release()
@@ -552,18 +559,20 @@ class Server:
         except (wire.DecodeError, AuthError, RepositoryError) as exc:
             code = exc.code
             metrics.request_error(msg.subject, code)
+            # Messages may quote what the sender sent: logged clipped (the
+            # reply is bounded by ``_error``).
             log.info(
                 "request_refused",
-                subject=msg.subject,
+                subject=clip(msg.subject, MAX_SUBJECT_CHARS),
                 code=code,
-                reason=getattr(exc, "reason", None) or type(exc).__name__,
-                error=exc.message,
+                reason=clip(getattr(exc, "reason", None) or type(exc).__name__),
+                error=clip(exc.message, MAX_MESSAGE_CHARS),
             )
             return _error(code, exc.message)
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("handler_failed", subject=msg.subject)
+            log.exception("handler_failed", subject=clip(msg.subject, MAX_SUBJECT_CHARS))
             metrics.request_error(msg.subject, "internal")
             return _error("internal", "internal error")
 

@@ -23,7 +23,7 @@ from fleetlease.ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError, 
 from fleetlease.ops.commands import retention
 from fleetlease.ops.commands.status import add_metrics_flag, metrics_from_args
 from fleetlease.ops.config import ensure_state_dir, from_args, write_context
-from fleetlease.ops.logging import configure_logging
+from fleetlease.ops.logging import configure_file_logging, configure_logging
 from fleetlease.ops.system import (
     AlreadyRunning,
     Services,
@@ -190,10 +190,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         log_dir = settings.state_dir / "logs"
         log_dir.mkdir(exist_ok=True, mode=0o700)
         # The control plane logs every transition: to a file, unless --debug.
-        log_file = None if settings.debug else open(log_dir / "up.log", "a")  # noqa: SIM115
-        configure_logging(debug=settings.debug, json=log_file is not None or None)
-        if log_file is not None:
-            structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=log_file))
+        # Rotated by size (``ops/logging.py``): a flood of refused requests
+        # cannot fill the disk.
+        log_file = None if settings.debug else configure_file_logging(log_dir / "up.log")
+        if log_file is None:
+            configure_logging(debug=settings.debug)
         try:
             with (
                 stop_signals() as stop,

@@ -38,6 +38,7 @@ from fleetlease.persistence.errors import Forbidden, Invalid, Unauthorized
 from fleetlease.persistence.model import User
 from fleetlease.persistence.reads import Reads
 from fleetlease.persistence.repository import Repository
+from fleetlease.transport.clip import clip, clip_repr
 
 log = structlog.get_logger("fleetlease.ops")
 
@@ -104,11 +105,11 @@ class OpsApi(TaskVerbs, FleetVerbs, AdminVerbs, DrainVerbs):
         (``whoami`` on ``Subjects.ops_identify``); in-process callers pass None."""
         principal = await self.authenticate(token)
         if user is not None and principal.name != user:
-            log.warning("ops_token_of_other_user", subject_user=user)
-            raise Unauthorized(f"the token is not user {user!r}'s")
+            log.warning("ops_token_of_other_user", subject_user=clip(user))
+            raise Unauthorized(f"the token is not user {clip_repr(user)}'s")
         method = self._verbs.get(verb)
         if method is None:
-            raise Invalid(f"unknown verb {verb!r}", field="verb")
+            raise Invalid(f"unknown verb {clip_repr(verb)}", field="verb")
         if (verb in ADMIN_VERBS or verb in DRAIN_VERBS) and not principal.platform_admin:
             raise Forbidden(f"{verb.replace('_', ' ')} needs a platform admin")
         result = await method(principal, args if args is not None else {})

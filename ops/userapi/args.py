@@ -10,6 +10,7 @@ from typing import Any
 from fleetlease.ops.limits import MAX_DOC, MAX_TEXT, oversized_map, size_of, too_large
 from fleetlease.persistence.errors import Invalid
 from fleetlease.persistence.model import TaskState
+from fleetlease.transport.clip import clip, clip_repr
 from fleetlease.transport.subjects import is_valid_token
 
 #: Every task state's name, the choices of a ``states`` argument.
@@ -22,9 +23,11 @@ class Args:
     def __init__(self, args: Any, allowed: Sequence[str]) -> None:
         if not isinstance(args, Mapping):
             raise Invalid("args must be a map", field="args")
-        unknown = sorted(set(args) - set(allowed))
+        known = set(allowed)
+        unknown = sorted((k for k in args if k not in known), key=str)
         if unknown:
-            raise Invalid(f"unknown argument {unknown[0]!r}", field=str(unknown[0]))
+            # The name is the sender's: clipped, as it goes into the log as well.
+            raise Invalid(f"unknown argument {clip_repr(unknown[0])}", field=clip(unknown[0]))
         self._args = args
 
     def present(self, name: str) -> bool:
@@ -99,7 +102,9 @@ class Args:
             if not isinstance(item, str) or not is_valid_token(item):
                 raise Invalid(f"{name} must hold names of [A-Za-z0-9_-]", field=name)
             if choices is not None and item not in choices:
-                raise Invalid(f"{name}: {item!r} is not one of {sorted(choices)}", field=name)
+                raise Invalid(
+                    f"{name}: {clip_repr(item)} is not one of {sorted(choices)}", field=name
+                )
             out.append(item)
         return out
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from fleetlease.persistence.errors import Conflict, Forbidden, Invalid, NotFound
+from fleetlease.persistence.errors import Conflict, Forbidden, Gone, Invalid, NotFound
 from fleetlease.persistence.model import Session, User
 from fleetlease.persistence.repository._sql import UUIDT, _unnest
 from fleetlease.persistence.repository._validate import (
@@ -25,6 +26,33 @@ from fleetlease.persistence.repository._validate import (
 from fleetlease.persistence.repository.fencing import FencingMixin
 from fleetlease.persistence.repository.views import ViewMixin, _iso
 from fleetlease.persistence.tables import artifacts, attempts, log_lines, tasks
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogLimits:
+    """The caps on one attempt's log (``Repository.append_logs``). With at most
+    one running attempt per device, a host's share of the log table is bounded
+    by its devices times these caps."""
+
+    #: Lines of one attempt.
+    max_lines: int = 100_000
+    #: UTF-8 bytes of one attempt's lines (10 MiB).
+    max_bytes: int = 10 * 1024 * 1024
+    #: Seconds after an attempt ended that its lines are still taken.
+    grace_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_lines < 1 or self.max_bytes < 1:
+            raise ValueError("max_lines and max_bytes must be at least 1")
+        if not self.grace_s >= 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s!r}")
+
+    def marker(self) -> str:
+        """The one line that ends a truncated log."""
+        return (
+            f"[fleetlease: log truncated: this attempt reached its cap of "
+            f"{self.max_lines} lines or {self.max_bytes} bytes; later lines were dropped]"
+        )
 
 
 class SideChannelMixin(FencingMixin, ViewMixin):
@@ -51,12 +79,59 @@ class SideChannelMixin(FencingMixin, ViewMixin):
         if row.host_id != session.host_id:
             raise Forbidden("the attempt belongs to another host", task_id=task_id)
 
+    #: The caps on each attempt's log; replace on an instance to change them.
+    log_limits: LogLimits = LogLimits()
+
+    async def _log_target(
+        self, conn: AsyncConnection, session: Session, task_id: str, attempt: int
+    ) -> Any:
+        """The attempt's row (host, end, log counters), locked for this append:
+        the task row ``FOR KEY SHARE`` first (what the log lines' foreign key
+        takes anyway), then the attempt row ``FOR NO KEY UPDATE`` (appends to one
+        attempt queue here, so the counters stay exact)."""
+        await self._check_session_row(conn, session)
+        task = (
+            await conn.execute(
+                sa.select(tasks.c.id)
+                .where(tasks.c.id == task_id)
+                .with_for_update(read=True, key_share=True)
+            )
+        ).first()
+        if task is None:
+            raise NotFound("no such task", task_id=task_id)
+        row = (
+            await conn.execute(
+                sa.select(
+                    attempts.c.host_id,
+                    attempts.c.ended_at,
+                    attempts.c.log_lines,
+                    attempts.c.log_bytes,
+                    attempts.c.log_truncated,
+                )
+                .where(attempts.c.task_id == task_id, attempts.c.number == attempt)
+                .with_for_update(key_share=True)
+            )
+        ).first()
+        if row is None:
+            raise NotFound("no such attempt", task_id=task_id, attempt=attempt)
+        if row.host_id != session.host_id:
+            raise Forbidden("the attempt belongs to another host", task_id=task_id)
+        return row
+
     async def append_logs(
         self, session: Session, task_id: str, attempt: int, first_seq: int, lines: Sequence[str]
     ) -> int:
-        """Store log lines of an attempt the host owns (any state: logs may trail the
-        result). Duplicate (task, attempt, seq) lines are ignored (retries are safe).
-        Returns the number of new lines. ``Forbidden`` for another host's attempt."""
+        """Store log lines of an attempt the host owns: while it runs, and for
+        ``log_limits.grace_s`` after it ended (lines queued before the result
+        still land); after that ``Gone`` (reason ``log_closed``). Duplicate
+        (task, attempt, seq) lines are ignored (retries are safe).
+
+        Each attempt's log is capped (``log_limits``: lines and UTF-8 bytes). The
+        batch that reaches the cap is stored up to it, followed by one marker
+        line saying the log was truncated (at the seq of the first line left
+        out); every later line of the attempt is dropped without an error.
+        Returns the number of the host's lines stored by this call (not the
+        marker). ``Forbidden`` for another host's attempt."""
         _check_session(session)
         tid = _check_task_id(task_id)
         _check_int(attempt, "attempt", 1, MAX_INT32)
@@ -65,15 +140,58 @@ class SideChannelMixin(FencingMixin, ViewMixin):
             raise Invalid("lines must be a sequence of at most 10000 strings", field="lines")
         for line in lines:
             _check_str(line, "lines", max_len=65536, empty=True)
+        limits = self.log_limits
 
         async def run(conn: AsyncConnection, now: datetime) -> int:
             # Fenced even for an empty batch: a revoked or foreign host gets its error.
-            await self._own_attempt(conn, session, tid, attempt)
-            if not lines:
+            target = await self._log_target(conn, session, tid, attempt)
+            if target.ended_at is not None and now >= target.ended_at + timedelta(
+                seconds=limits.grace_s
+            ):
+                raise Gone(
+                    f"the attempt ended more than {limits.grace_s:g} s ago; its log is closed",
+                    reason="log_closed",
+                    task_id=tid,
+                    attempt=attempt,
+                )
+            if not lines or target.log_truncated:
                 return 0
-            seqs = list(range(first_seq, first_seq + len(lines)))
-            r = _unnest("r", seq=(sa.BigInteger, seqs), line=(sa.Text, list(lines)))
-            inserted = await conn.execute(
+            last_seq = first_seq + len(lines) - 1
+            stored = {
+                seq
+                for (seq,) in (
+                    await conn.execute(
+                        sa.select(log_lines.c.seq).where(
+                            log_lines.c.task_id == tid,
+                            log_lines.c.attempt == attempt,
+                            log_lines.c.seq.between(first_seq, last_seq),
+                        )
+                    )
+                ).all()
+            }
+            count, size = target.log_lines, target.log_bytes
+            seqs: list[int] = []
+            kept: list[str] = []
+            marker_seq: int | None = None
+            for seq, line in enumerate(lines, start=first_seq):
+                if seq in stored:
+                    continue
+                n = len(line.encode("utf-8", "replace"))
+                if count + 1 > limits.max_lines or size + n > limits.max_bytes:
+                    marker_seq = seq
+                    break
+                seqs.append(seq)
+                kept.append(line)
+                count += 1
+                size += n
+            rows_seq, rows_line = list(seqs), list(kept)
+            if marker_seq is not None:
+                rows_seq.append(marker_seq)
+                rows_line.append(limits.marker())
+            if not rows_seq:
+                return 0
+            r = _unnest("r", seq=(sa.BigInteger, rows_seq), line=(sa.Text, rows_line))
+            await conn.execute(
                 pg_insert(log_lines)
                 .from_select(
                     ["task_id", "attempt", "seq", "ts", "line"],
@@ -86,9 +204,17 @@ class SideChannelMixin(FencingMixin, ViewMixin):
                     ),
                 )
                 .on_conflict_do_nothing()
-                .returning(log_lines.c.id)
             )
-            return len(inserted.all())
+            await conn.execute(
+                attempts.update()
+                .where(attempts.c.task_id == tid, attempts.c.number == attempt)
+                .values(
+                    log_lines=count,
+                    log_bytes=size,
+                    log_truncated=marker_seq is not None,
+                )
+            )
+            return len(kept)
 
         return await self._tx("append_logs", run)
 

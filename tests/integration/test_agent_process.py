@@ -300,6 +300,36 @@ async def test_sigkill_after_the_result_is_acknowledged_is_not_reported_again(
     assert (view["state"], view["attempt"]) == ("done", 1)
 
 
+async def test_lines_a_resumed_run_logs_after_a_sigkill_all_arrive(
+    procs: Callable[..., Awaitable[Processes]],
+) -> None:
+    p = await procs(lease_s=20.0)
+    system = p.system
+    await system.add_host("h-a")
+    crashing = p.spawn("h-a")
+    await crashing.wait_event("agent_registered")
+    task_id = await system.submit({"duration_s": 8.0, "log_lines": 3})
+    await eventually(
+        lambda: system.repo.read_logs(task_id, ADMIN), lambda lines: len(lines) == 3, timeout=30
+    )
+
+    crashing.kill()
+    assert await crashing.wait_exit() == -signal.SIGKILL
+    restarted = p.spawn("h-a")
+    await restarted.wait_event("attempt_resume_counted", task_id=task_id, resumes=1)
+    view = await system.wait_state(task_id, "done", timeout=60)
+    lines = await eventually(
+        lambda: system.repo.read_logs(task_id, ADMIN), lambda lines: len(lines) == 6, timeout=30
+    )
+
+    assert view["attempt"] == 1
+    texts = [f"goal: simulated log line {i}/3" for i in (1, 2, 3)]
+    assert [(x["attempt"], x["seq"], x["line"]) for x in lines] == [
+        *((1, seq, text) for seq, text in zip((1, 2, 3), texts, strict=True)),
+        *((1, 2**32 + seq, text) for seq, text in zip((1, 2, 3), texts, strict=True)),
+    ]
+
+
 # --- process behaviour ------------------------------------------------------------------
 
 

@@ -78,7 +78,8 @@ async def test_a_drained_device_is_skipped_and_the_drain_outlives_heartbeats(
     got = await world.repo.assign()
 
     assert [(a.task_id, a.device_id) for a in got] == [(ids[0], "d2")]
-    views = {d["device_id"]: d["drained"] for d in await world.repo.fleet_devices(world.root, host_id="h1")}
+    seen = await world.repo.fleet_devices(world.root, host_id="h1")
+    views = {d["device_id"]: d["drained"] for d in seen}
     assert views == {"d1": True, "d2": False}
     await world.repo.undrain_device("h1", "d1")
     (a,) = await world.repo.assign()

@@ -18,6 +18,7 @@ from fleetlease.hostagent.journal import (
     JournalRecord,
     JournalThread,
     UnknownEntry,
+    log_seq_base,
     result_fingerprint,
 )
 from fleetlease.persistence.model import Outcome, TaskKind
@@ -303,6 +304,12 @@ def test_begin_resume_counts_durably_and_every_entry_starts_at_zero(path: Path) 
     assert counts == {"a": 2, "b": 0}
     assert finished is not None and finished.resumes == 2
     assert finished.state is EntryState.FINISHED
+
+
+def test_each_run_of_an_attempt_numbers_its_log_lines_in_a_range_of_its_own() -> None:
+    assert [log_seq_base(n) for n in (0, 1, 2)] == [0, 2**32, 2**33]
+    # However often it is resumed, seqs stay within what the wire takes.
+    assert log_seq_base(2**40) + 2**32 <= 2**62
 
 
 def test_begin_resume_of_an_unknown_entry_raises(journal: Journal) -> None:

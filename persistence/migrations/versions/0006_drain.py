@@ -6,7 +6,7 @@ set) they are handed back. ``device_drains`` lists drained devices; it is a
 table of its own because each heartbeat replaces the host's ``devices`` rows.
 
 Revision ID: 0006
-Revises: 0004
+Revises: 0005
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0006"
-down_revision = "0004"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 

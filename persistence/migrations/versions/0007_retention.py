@@ -7,7 +7,7 @@ on the finished tasks' ``(project, finished_at)`` serves the collector's scan
 for each project's expired tasks.
 
 Revision ID: 0007
-Revises: 0004
+Revises: 0006
 """
 
 from __future__ import annotations
