@@ -147,14 +147,27 @@ class Artifacts:
                                     ),
                                 )
                             store = await js.object_store(self.artifact_bucket)
-                        info = await js.stream_info(self.ranges.stream)
-                        if info.config.max_bytes != self.limits.store_bytes:
-                            info.config.max_bytes = self.limits.store_bytes
-                            await js.update_stream(info.config)
+                        await self._apply_store_bytes(js)
                     except (NatsError, TimeoutError) as exc:
                         raise Unavailable(f"the artifact store is unavailable: {exc}") from None
                     self._object_store = store
         return self._object_store
+
+    async def _apply_store_bytes(self, js: Any) -> None:
+        """Bring the bucket's ``max_bytes`` to ``store_bytes``, but never below
+        what it holds: JetStream would drop the oldest objects to fit. Commits
+        are refused while the store is over ``store_bytes`` (``_check_room``)."""
+        info = await js.stream_info(self.ranges.stream)
+        want, held = self.limits.store_bytes, int(info.state.bytes or 0)
+        if info.config.max_bytes == want:
+            return
+        if held > want:
+            log.warning(
+                "artifact_store_over_limit", bucket=self.artifact_bucket, bytes=held, limit=want
+            )
+            return
+        info.config.max_bytes = want
+        await js.update_stream(info.config)
 
     def _quota(self) -> ArtifactQuota:
         limits = self.limits

@@ -18,6 +18,7 @@ import hashlib
 import os
 import re
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,9 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from fleetlease.ops.client import OpsClient, OpsError
+from fleetlease.persistence.errors import QuotaExceeded
 from fleetlease.transport import wire
-from fleetlease.transport.artifacts import artifact_object_name
+from fleetlease.transport.artifacts import Artifacts, artifact_object_name
 from fleetlease.transport.staging import StagingLimits
 from tests.integration.test_security_staging import _system
 from tests.integration.test_transport_e2e import ADMIN, Host, System
@@ -280,6 +282,25 @@ async def test_the_object_store_is_bounded_and_a_commit_that_does_not_fit_stores
     # What fits still commits.
     await upload(last_host, last, "small.bin", b"fits")
     assert await names(system, last) == ["small.bin"]
+    # A process started with a bound below what the store holds keeps the
+    # bucket's bound (JetStream would drop the oldest objects to fit) and
+    # refuses commits until there is room.
+    held_now = await js.stream_info(system.server.artifacts.ranges.stream)
+    lower = Artifacts(
+        repo=system.repo,
+        prefix=system.svc.prefix,
+        storage=lambda: system.server._storage_nc,
+        limits=replace(LIMITS, store_bytes=4 * MiB),
+    )
+    try:
+        await lower._store()
+        info = await js.stream_info(system.server.artifacts.ranges.stream)
+        assert info.config.max_bytes == LIMITS.store_bytes
+        assert info.state.messages == held_now.state.messages
+        with pytest.raises(QuotaExceeded):
+            await lower._check_room(1)
+    finally:
+        lower.close()
 
 
 async def test_concurrent_commits_cannot_both_take_the_last_of_an_attempts_quota(
