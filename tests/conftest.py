@@ -144,9 +144,10 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 def subject_prefix(request: pytest.FixtureRequest) -> Iterator[str]:
     """A subject prefix of this test's own, so tests sharing a server never meet.
-    Afterwards the prefix's artifact staging stream is deleted from the test
-    NATS server, if the test made one: its byte cap is reserved on the server
-    (JetStream reserves a file stream's ``max_bytes``) for as long as it exists."""
+    Afterwards the prefix's artifact staging stream and object store are
+    deleted from the test NATS server, if the test made them: their byte caps
+    are reserved on the server (JetStream reserves a file stream's
+    ``max_bytes``) for as long as they exist."""
     prefix = f"t{uuid.uuid4().hex[:12]}"
     yield prefix
     if "nats_url" in request.fixturenames:
@@ -163,8 +164,10 @@ async def _drop_staging(url: str, prefix: str) -> None:
     except Exception:  # a secured or stopped server: nothing of ours to drop
         return
     try:
-        with contextlib.suppress(NatsError, TimeoutError):  # none made, or no JetStream
-            await nc.jetstream(timeout=5).delete_stream(f"FLEETLEASE_UPLOADS_{prefix}")
+        js = nc.jetstream(timeout=5)
+        for stream in (f"FLEETLEASE_UPLOADS_{prefix}", f"OBJ_fleetlease-artifacts-{prefix}"):
+            with contextlib.suppress(NatsError, TimeoutError):  # none made, or no JetStream
+                await js.delete_stream(stream)
     finally:
         await nc.close()
 

@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger("fleetlease.server")
 
 ARTIFACT_BUCKET = "fleetlease-artifacts"
+#: JetStream's error code for "stream name already in use".
+_STREAM_NAME_IN_USE = 10058
 #: Task states in which an attempt still holds its lease (staging is kept).
 _HELD_STATES = frozenset({"assigned", "dispatched", "running"})
 
@@ -138,7 +140,7 @@ class Artifacts:
                         try:
                             store = await js.object_store(self.artifact_bucket)
                         except NotFoundError:
-                            with contextlib.suppress(APIError):  # another process won
+                            try:
                                 await js.create_object_store(
                                     self.artifact_bucket,
                                     ObjectStoreConfig(
@@ -146,10 +148,19 @@ class Artifacts:
                                         storage=StorageType.FILE,
                                     ),
                                 )
+                            except APIError as exc:
+                                if exc.err_code != _STREAM_NAME_IN_USE:  # else another won
+                                    log.error(
+                                        "artifact_store_unavailable",
+                                        bucket=self.artifact_bucket,
+                                        error=exc.description,
+                                    )
+                                    raise
                             store = await js.object_store(self.artifact_bucket)
                         await self._apply_store_bytes(js)
                     except (NatsError, TimeoutError) as exc:
-                        raise Unavailable(f"the artifact store is unavailable: {exc}") from None
+                        reason = getattr(exc, "description", None) or exc
+                        raise Unavailable(f"the artifact store is unavailable: {reason}") from None
                     self._object_store = store
         return self._object_store
 
