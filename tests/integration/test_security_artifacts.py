@@ -317,3 +317,28 @@ async def test_concurrent_commits_cannot_both_take_the_last_of_an_attempts_quota
     assert len(errors) == 1, results
     assert isinstance(errors[0], wire.RemoteError) and errors[0].code == "quota"
     assert len(await names(system, a)) == 3
+
+
+async def test_a_commit_the_bucket_refuses_midway_leaves_no_record_and_no_chunks(
+    system: System,
+) -> None:
+    js = system.nc.jetstream()
+    h = await system.host("h1")
+    a = await system.running(h)
+    await upload(h, a, "first.bin", b"x")
+    stream = system.server.artifacts.ranges.stream
+    # The bucket's bound below what the server believes (another process set
+    # it, or concurrent commits took the room): the room check passes, the
+    # object store refuses the object's chunks partway through.
+    info = await js.stream_info(stream)
+    held = info.state.bytes
+    info.config.max_bytes = held + MiB
+    await js.update_stream(info.config)
+    two = os.urandom(2 * MiB)
+    assert await refused(h, a, "two.bin", two) == "quota"
+    assert await names(system, a) == ["first.bin"]
+    assert not await stored(system, a, "two.bin", two)
+    assert (await js.stream_info(stream)).state.bytes == held
+    # What fits still commits.
+    await upload(h, a, "small.bin", b"fits")
+    assert await names(system, a) == ["first.bin", "small.bin"]
