@@ -11,6 +11,14 @@ ends. The commit reassembles the chunks in offset order, checks size and
 SHA-256, stores the object under a content-addressed name in the object store,
 and only then records it through the repository. A mismatch is a ``conflict``
 and nothing is recorded.
+
+Committed artifacts are bounded (``StagingLimits``): per attempt (count and
+bytes) and per host (bytes over the attempts it holds), checked by the
+repository in the commit's transaction, and in all by the object store
+bucket's ``max_bytes``; beyond any of them the commit is ``quota`` and nothing
+is stored. Reads take a range (``transport.object_range``: only the chunks the
+range needs), at most ``user_reads`` per user and ``process_reads`` per process
+at once (``busy`` beyond).
 """
 
 from __future__ import annotations
@@ -21,20 +29,29 @@ import contextlib
 import hashlib
 import os
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, TYPE_CHECKING, Any
 
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.errors import Error as NatsError
-from nats.js.errors import NotFoundError
+from nats.js.api import ObjectStoreConfig, StorageType
+from nats.js.errors import APIError, NotFoundError
 from nats.js.object_store import OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
-from fleetlease.persistence.errors import Conflict, Invalid, NotFound, Unavailable
+from fleetlease.persistence.errors import (
+    Busy,
+    Conflict,
+    Invalid,
+    QuotaExceeded,
+    Unavailable,
+)
 from fleetlease.persistence.model import Session
+from fleetlease.persistence.repository.sidechannels import ArtifactQuota
 from fleetlease.transport import wire
 from fleetlease.transport.background import background
+from fleetlease.transport.object_range import ObjectRanges
 from fleetlease.transport.staging import Staging, StagingLimits
 
 if TYPE_CHECKING:
@@ -43,6 +60,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger("fleetlease.server")
 
 ARTIFACT_BUCKET = "fleetlease-artifacts"
+#: JetStream's error code for "stream name already in use".
+_STREAM_NAME_IN_USE = 10058
 #: Task states in which an attempt still holds its lease (staging is kept).
 _HELD_STATES = frozenset({"assigned", "dispatched", "running"})
 
@@ -86,6 +105,8 @@ class Artifacts:
         self._purging = False
         self._stopping = False
         self._stopped = False
+        self.ranges = ObjectRanges(self.artifact_bucket)
+        self._reads: dict[str, int] = {}
 
     def stop_purging(self) -> None:
         """No new purges (the server is draining)."""
@@ -106,18 +127,79 @@ class Artifacts:
             raise Unavailable("the artifact store connection is closed")
         return nc.jetstream(timeout=10.0)
 
+    @property
+    def limits(self) -> StagingLimits:
+        return self.staging.limits
+
     async def _store(self) -> Any:
+        """The object store, created with (or brought to) ``store_bytes`` on
+        first use."""
         if self._object_store is None:
             js = await self._js()
             async with self._js_lock:
                 if self._object_store is None:
                     try:
-                        self._object_store = await js.object_store(self.artifact_bucket)
-                    except NotFoundError:
-                        with contextlib.suppress(Exception):
-                            await js.create_object_store(self.artifact_bucket)
-                        self._object_store = await js.object_store(self.artifact_bucket)
+                        try:
+                            store = await js.object_store(self.artifact_bucket)
+                        except NotFoundError:
+                            try:
+                                await js.create_object_store(
+                                    self.artifact_bucket,
+                                    ObjectStoreConfig(
+                                        max_bytes=self.limits.store_bytes,
+                                        storage=StorageType.FILE,
+                                    ),
+                                )
+                            except APIError as exc:
+                                if exc.err_code != _STREAM_NAME_IN_USE:  # else another won
+                                    log.error(
+                                        "artifact_store_unavailable",
+                                        bucket=self.artifact_bucket,
+                                        error=exc.description,
+                                    )
+                                    raise
+                            store = await js.object_store(self.artifact_bucket)
+                        await self._apply_store_bytes(js)
+                    except (NatsError, TimeoutError) as exc:
+                        reason = getattr(exc, "description", None) or exc
+                        raise Unavailable(f"the artifact store is unavailable: {reason}") from None
+                    self._object_store = store
         return self._object_store
+
+    async def _apply_store_bytes(self, js: Any) -> None:
+        """Bring the bucket's ``max_bytes`` to ``store_bytes``, but never below
+        what it holds: JetStream would drop the oldest objects to fit. Commits
+        are refused while the store is over ``store_bytes`` (``_check_room``)."""
+        info = await js.stream_info(self.ranges.stream)
+        want, held = self.limits.store_bytes, int(info.state.bytes or 0)
+        if info.config.max_bytes == want:
+            return
+        if held > want:
+            log.warning(
+                "artifact_store_over_limit", bucket=self.artifact_bucket, bytes=held, limit=want
+            )
+            return
+        info.config.max_bytes = want
+        await js.update_stream(info.config)
+
+    def _quota(self) -> ArtifactQuota:
+        limits = self.limits
+        return ArtifactQuota(
+            attempt_bytes=limits.attempt_bytes,
+            attempt_artifacts=limits.attempt_artifacts,
+            host_bytes=limits.host_bytes_committed,
+        )
+
+    async def _check_room(self, size: int) -> None:
+        """``QuotaExceeded`` when the object store has no room for ``size`` more
+        bytes (a first check; the bucket's ``max_bytes`` is the bound)."""
+        js = await self._js()
+        try:
+            info = await js.stream_info(self.ranges.stream)
+        except (NatsError, TimeoutError) as exc:
+            raise Unavailable(f"the artifact store is unavailable: {exc}") from None
+        if int(info.state.bytes or 0) + size > self.limits.store_bytes:
+            raise QuotaExceeded("the artifact store is full", reason="store_quota")
 
     async def chunk(self, s: Session, m: wire.ArtifactChunk) -> None:
         """Stage one chunk: only for a lease the host holds now (fenced as a
@@ -142,6 +224,8 @@ class Artifacts:
         object_name = artifact_object_name(m.task_id, m.attempt, m.name, m.sha256)
         store = await self._store()
         stored = await self._stored(store, object_name, m.size)
+        if not stored:
+            await self._check_room(m.size)
         fd, path = tempfile.mkstemp(prefix="fleetlease-artifact-")
         f = os.fdopen(fd, "w+b")
         try:
@@ -151,7 +235,7 @@ class Artifacts:
                 except Conflict:
                     await self.staging.purge(upload)
                     raise
-            await self.repo.record_artifact(
+            added = await self.repo.record_artifact(
                 s,
                 m.task_id,
                 m.attempt,
@@ -159,9 +243,10 @@ class Artifacts:
                 size=m.size,
                 sha256=m.sha256,
                 object_name=object_name,
+                quota=self._quota(),
             )
             if not stored:
-                await store.put(object_name, cast(IO[bytes], f))
+                await self._put(s, m, store, object_name, f, forget=bool(added))
         finally:
             f.close()
             with contextlib.suppress(OSError):
@@ -175,6 +260,29 @@ class Artifacts:
             size=m.size,
         )
         await self.staging.purge(upload)
+
+    async def _put(
+        self,
+        s: Session,
+        m: wire.ArtifactCommit,
+        store: Any,
+        object_name: str,
+        f: IO[bytes],
+        *,
+        forget: bool,
+    ) -> None:
+        """Store the object; when the store is full (its ``max_bytes``) the
+        commit is ``quota`` and the record just made is removed."""
+        try:
+            await store.put(object_name, f)
+        except APIError as exc:
+            if "maximum" not in (exc.description or "").lower():
+                raise
+            if forget:
+                await self.repo.forget_artifact(
+                    s, m.task_id, m.attempt, name=m.name, sha256=m.sha256
+                )
+            raise QuotaExceeded("the artifact store is full", reason="store_quota") from None
 
     @staticmethod
     async def _stored(store: Any, object_name: str, size: int) -> bool:
@@ -235,13 +343,48 @@ class Artifacts:
         finally:
             self._purging = False
 
-    async def read_artifact(self, object_name: str) -> bytes:
-        store = await self._store()
+    @contextlib.contextmanager
+    def read_slot(self, reader: str) -> Iterator[None]:
+        """One of the reader's ``user_reads`` and the process's
+        ``process_reads`` read slots for the duration (``Busy`` beyond)."""
+        limits = self.limits
+        used = self._reads.get(reader, 0)
+        if used >= limits.user_reads:
+            raise Busy(
+                f"at most {limits.user_reads} artifact reads of a user at once",
+                reason="in_flight",
+            )
+        if sum(self._reads.values()) >= limits.process_reads:
+            raise Busy("the server is reading as many artifacts as it may", reason="in_flight")
+        self._reads[reader] = used + 1
         try:
-            result = await store.get(object_name)
-        except NotFoundError:
-            raise NotFound(f"artifact object {object_name!r} is missing", field="name") from None
-        return bytes(result.data or b"")
+            yield
+        finally:
+            left = self._reads[reader] - 1
+            if left:
+                self._reads[reader] = left
+            else:
+                del self._reads[reader]
+
+    async def read_range(
+        self, object_name: str, *, offset: int, length: int, reader: str
+    ) -> tuple[bytes, int]:
+        """``length`` bytes of the stored object from ``offset`` (fewer at its
+        end) and the object's size: only the chunks the range needs are read
+        (``transport.object_range``). ``NotFound`` if the object is missing,
+        ``Busy`` beyond the read slots of ``reader`` or of the process."""
+        with self.read_slot(reader):
+            store = await self._store()
+            return await self.ranges.read(await self._js(), store, object_name, offset, length)
+
+    async def read_artifact(self, object_name: str) -> bytes:
+        """The whole stored object (for small objects and tests: the user API
+        reads ranges, ``read_range``)."""
+        store = await self._store()
+        js = await self._js()
+        _, size = await self.ranges.read(js, store, object_name, 0, 0)
+        data, _ = await self.ranges.read(js, store, object_name, 0, size)
+        return data
 
     async def delete_objects(self, object_names: Iterable[str]) -> tuple[int, int]:
         """Delete these objects (retention: their artifact rows are already

@@ -580,8 +580,18 @@ class Server:
     object_name = staticmethod(artifact_object_name)
 
     async def read_artifact(self, object_name: str) -> bytes:
-        """The stored object's bytes (``NotFound`` if it is missing)."""
+        """The whole stored object (small objects and tests; ``NotFound`` if it
+        is missing). The user API reads ranges: ``read_artifact_range``."""
         return await self.artifacts.read_artifact(object_name)
+
+    async def read_artifact_range(
+        self, object_name: str, *, offset: int, length: int, reader: str
+    ) -> tuple[bytes, int]:
+        """``length`` bytes of the stored object from ``offset`` and its size,
+        reading only the chunks the range needs (``Artifacts.read_range``)."""
+        return await self.artifacts.read_range(
+            object_name, offset=offset, length=length, reader=reader
+        )
 
     async def delete_storage(self) -> None:
         """Remove this prefix's object store bucket and staging stream (tests)."""

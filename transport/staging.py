@@ -30,6 +30,20 @@ Limits (``StagingLimits``; all bounds hold whatever a host sends):
 
 Whether the host may stage for an attempt at all (it holds the lease now) is
 the caller's check, made before ``stage``.
+
+The same dataclass carries the limits on committed artifacts and on reading
+them, enforced by ``transport.artifacts``:
+
+* an attempt commits at most ``attempt_artifacts`` artifacts of at most
+  ``attempt_bytes`` bytes in all, and the attempts a host holds now have at
+  most ``host_bytes_committed`` bytes committed in all (``quota`` at the
+  commit beyond them, nothing stored; counted from the artifacts table in the
+  commit's transaction);
+* the object store holds at most ``store_bytes`` (its bucket's ``max_bytes``;
+  a commit that does not fit is ``quota`` and nothing is stored);
+* a user has at most ``user_reads`` artifact reads in progress and a server
+  process at most ``process_reads`` (``busy`` beyond); each read holds at
+  most its range plus one object-store chunk in memory.
 """
 
 from __future__ import annotations
@@ -63,18 +77,38 @@ def _positive_int(name: str, value: object) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class StagingLimits:
-    """The limits of artifact staging (see the module doc). Defaults: 2 GiB in
-    all, 256 MiB per artifact, 2 uploads (512 MiB) per host, 2 chunk requests
-    per host at once per server process, chunks kept at most one hour."""
+    """The limits of artifact staging, committed artifacts and artifact reads
+    (see the module doc). Defaults: staging 2 GiB in all, 256 MiB per artifact,
+    2 uploads (512 MiB) per host, 2 chunk requests per host at once per server
+    process, chunks kept at most one hour; committed: 1 GiB and 64 artifacts
+    per attempt, 4 GiB over the attempts a host holds, 8 GiB in the object
+    store; reads: 2 per user and 8 per server process at once."""
 
     total_bytes: int = 2 * 1024**3
     max_artifact_bytes: int = 256 * 1024 * 1024
     host_uploads: int = 2
     host_in_flight: int = 2
     max_age_s: float = 3600.0
+    attempt_bytes: int = 1024**3
+    attempt_artifacts: int = 64
+    host_bytes_committed: int = 4 * 1024**3
+    store_bytes: int = 8 * 1024**3
+    user_reads: int = 2
+    process_reads: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("total_bytes", "host_uploads", "host_in_flight", "max_artifact_bytes"):
+        for name in (
+            "total_bytes",
+            "host_uploads",
+            "host_in_flight",
+            "max_artifact_bytes",
+            "attempt_bytes",
+            "attempt_artifacts",
+            "host_bytes_committed",
+            "store_bytes",
+            "user_reads",
+            "process_reads",
+        ):
             _positive_int(name, getattr(self, name))
         if self.total_bytes < wire.ARTIFACT_CHUNK_BYTES + _MSG_OVERHEAD:
             raise ValueError(f"total_bytes must hold one chunk, got {self.total_bytes}")

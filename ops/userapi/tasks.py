@@ -271,8 +271,11 @@ class TaskVerbs(ApiContext):
         server = getattr(self.service, "server", None)
         if server is None:
             raise NotFound("artifacts are not served here", field="name")
-        data = await server.read_artifact(str(row["object_name"]))
+        # Only the range is read, within the user's and the process's read slots.
+        data, size = await server.read_artifact_range(
+            str(row["object_name"]), offset=offset, length=length, reader=user.name
+        )
         meta = project_artifact(row)
-        meta.update(offset=offset, data=bytes(data[offset : offset + length]))
-        meta["eof"] = offset + length >= len(data)
+        meta.update(offset=offset, data=data)
+        meta["eof"] = offset + length >= size
         return meta

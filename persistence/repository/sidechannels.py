@@ -11,7 +11,14 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from fleetlease.persistence.errors import Conflict, Forbidden, Gone, Invalid, NotFound
+from fleetlease.persistence.errors import (
+    Conflict,
+    Forbidden,
+    Gone,
+    Invalid,
+    NotFound,
+    QuotaExceeded,
+)
 from fleetlease.persistence.model import Session, User
 from fleetlease.persistence.repository._sql import UUIDT, _unnest
 from fleetlease.persistence.repository._validate import (
@@ -260,10 +267,13 @@ class SideChannelMixin(FencingMixin, ViewMixin):
         size: int,
         sha256: str,
         object_name: str,
-    ) -> None:
+        quota: ArtifactQuota | None = None,
+    ) -> bool:
         """Record an uploaded artifact of an attempt the host owns. Recording the same
-        (name, size, sha256) again is a no-op; a different one under the same name is
-        ``Conflict``."""
+        (name, size, sha256) again is a no-op (returns False); a different one under
+        the same name is ``Conflict``. With ``quota``, a new artifact that would take
+        the attempt or the host beyond it is ``QuotaExceeded`` and nothing is
+        recorded (see ``ArtifactQuota``). Returns True when a row was added."""
         _check_session(session)
         tid = _check_task_id(task_id)
         _check_int(attempt, "attempt", 1, MAX_INT32)
@@ -273,8 +283,28 @@ class SideChannelMixin(FencingMixin, ViewMixin):
             raise Invalid("sha256 must be 64 lowercase hex digits", field="sha256")
         _check_str(object_name, "object_name", max_len=1024)
 
-        async def run(conn: AsyncConnection, now: datetime) -> None:
+        async def existing(conn: AsyncConnection) -> bool:
+            row = (
+                await conn.execute(
+                    sa.select(artifacts.c.size, artifacts.c.sha256).where(
+                        artifacts.c.task_id == tid,
+                        artifacts.c.attempt == attempt,
+                        artifacts.c.name == name,
+                    )
+                )
+            ).first()
+            if row is None:
+                return False
+            if (row.size, row.sha256) != (size, sha256):
+                raise Conflict("a different artifact has this name", reason="exists", name=name)
+            return True
+
+        async def run(conn: AsyncConnection, now: datetime) -> bool:
             await self._own_attempt(conn, session, tid, attempt)
+            if await existing(conn):
+                return False
+            if quota is not None:
+                await _check_quota(conn, session.host_id, tid, attempt, size, quota)
             inserted = (
                 await conn.execute(
                     pg_insert(artifacts)
@@ -292,20 +322,34 @@ class SideChannelMixin(FencingMixin, ViewMixin):
                 )
             ).first()
             if inserted is not None:
-                return
-            existing = (
-                await conn.execute(
-                    sa.select(artifacts.c.size, artifacts.c.sha256).where(
-                        artifacts.c.task_id == tid,
-                        artifacts.c.attempt == attempt,
-                        artifacts.c.name == name,
-                    )
-                )
-            ).first()
-            if existing is None or (existing.size, existing.sha256) != (size, sha256):
-                raise Conflict("a different artifact has this name", reason="exists", name=name)
+                return True
+            await existing(conn)
+            return False
 
-        await self._tx("record_artifact", run)
+        return bool(await self._tx("record_artifact", run))
+
+    async def forget_artifact(
+        self, session: Session, task_id: str, attempt: int, *, name: str, sha256: str
+    ) -> None:
+        """Remove the record of an artifact of the host's attempt whose object
+        could not be stored (the commit failed: nothing of it stays)."""
+        _check_session(session)
+        tid = _check_task_id(task_id)
+        _check_int(attempt, "attempt", 1, MAX_INT32)
+        _check_str(name, "name", max_len=255)
+
+        async def run(conn: AsyncConnection, now: datetime) -> None:
+            await self._own_attempt(conn, session, tid, attempt)
+            await conn.execute(
+                sa.delete(artifacts).where(
+                    artifacts.c.task_id == tid,
+                    artifacts.c.attempt == attempt,
+                    artifacts.c.name == name,
+                    artifacts.c.sha256 == sha256,
+                )
+            )
+
+        await self._tx("forget_artifact", run)
 
     async def list_artifacts(self, task_id: str, user: User) -> list[dict[str, Any]]:
         """[{attempt, name, size, sha256, object_name, created_at}], authorized like
@@ -342,3 +386,63 @@ class SideChannelMixin(FencingMixin, ViewMixin):
             ]
 
         return await self._tx("list_artifacts", run)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArtifactQuota:
+    """Bounds on committed artifacts: per attempt, at most ``attempt_artifacts``
+    artifacts of ``attempt_bytes`` bytes in all; per host, at most ``host_bytes``
+    over the artifacts of the attempts it holds now (not ended)."""
+
+    attempt_bytes: int
+    attempt_artifacts: int
+    host_bytes: int
+
+
+async def _check_quota(
+    conn: AsyncConnection, host_id: str, tid: str, attempt: int, size: int, quota: ArtifactQuota
+) -> None:
+    """``QuotaExceeded`` unless one more artifact of ``size`` bytes fits. The
+    host's commits are serialized by a transaction-scoped advisory lock, so two
+    concurrent commits cannot both take the last of a quota."""
+    key = sa.func.hashtextextended(sa.literal(f"fleetlease.artifacts.{host_id}"), 0)
+    await conn.execute(sa.select(sa.func.pg_advisory_xact_lock(key)))
+    count, used = (
+        await conn.execute(
+            sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(artifacts.c.size), 0)).where(
+                artifacts.c.task_id == tid, artifacts.c.attempt == attempt
+            )
+        )
+    ).one()
+    if count + 1 > quota.attempt_artifacts:
+        raise QuotaExceeded(
+            f"an attempt commits at most {quota.attempt_artifacts} artifacts",
+            reason="attempt_quota",
+        )
+    if used + size > quota.attempt_bytes:
+        raise QuotaExceeded(
+            f"an attempt commits at most {quota.attempt_bytes} bytes of artifacts"
+            f" ({used} committed)",
+            reason="attempt_quota",
+        )
+    host_used = (
+        await conn.execute(
+            sa.select(sa.func.coalesce(sa.func.sum(artifacts.c.size), 0))
+            .select_from(
+                artifacts.join(
+                    attempts,
+                    sa.and_(
+                        attempts.c.task_id == artifacts.c.task_id,
+                        attempts.c.number == artifacts.c.attempt,
+                    ),
+                )
+            )
+            .where(attempts.c.host_id == host_id, attempts.c.ended_at.is_(None))
+        )
+    ).scalar_one()
+    if host_used + size > quota.host_bytes:
+        raise QuotaExceeded(
+            f"the attempts a host holds commit at most {quota.host_bytes} bytes of artifacts"
+            f" ({host_used} committed)",
+            reason="host_quota",
+        )
