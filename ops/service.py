@@ -97,6 +97,9 @@ class ControlPlaneService:
     #: None: no listener). ``metrics_optional``: a bind failure is logged, not raised.
     metrics: str | None = None
     metrics_optional: bool = False
+    #: Seconds between the points of the fleet's history (``ops/observe/history.py``,
+    #: the console's health page), which keeps the last hour of them.
+    history_interval_s: float = 10.0
 
     engine: AsyncEngine | None = None
     repo: Repository | None = None
@@ -105,6 +108,8 @@ class ControlPlaneService:
     ops: Any = None
     broker_auth: Any = None
     observer: Any = None
+    history: Any = None
+    sampler: Any = None
 
     async def start(self) -> ControlPlaneService:
         from fleetlease.actors.runtime import ControlPlane
@@ -146,6 +151,7 @@ class ControlPlaneService:
                 channels=self.channels,
             )
             await self.server.start()
+            self._start_history()
             if self.metrics:
                 self.observer = observe.for_service(
                     self, self.metrics, optional=self.metrics_optional
@@ -155,6 +161,13 @@ class ControlPlaneService:
             raise
         log.info("control_plane_started", prefix=self.prefix)
         return self
+
+    def _start_history(self) -> None:
+        from fleetlease.ops.observe.history import FleetHistory, HistorySampler
+
+        self.history = FleetHistory(interval_s=self.history_interval_s)
+        self.control_plane.add_listener(self.history.on_event)
+        self.sampler = HistorySampler(self.history, self.engine).start()
 
     def _ops_api(self) -> Any:
         try:
@@ -217,6 +230,9 @@ class ControlPlaneService:
             # Last but the pool: while the rest stops, /readyz answers "not ready".
             await asyncio.to_thread(self.observer.stop)
             self.observer = None
+        if self.sampler is not None:
+            await self.sampler.stop()
+            self.sampler = None
         if self.engine is not None:
             await self.engine.dispose()
             self.engine = None
