@@ -8,9 +8,10 @@ point has:
 * ``devices``: devices by the fleet view's state (``busy``, ``idle``, ``offline``);
 * ``finished``: tasks that finished since the previous point, by outcome
   (``done``, ``failed``, ``cancelled``), as a rate per minute;
-* ``dispatch_p50`` and ``dispatch_p99``: the dispatch latency (an assignment
-  to its claim by the host, in seconds) of the dispatches since the previous
-  point, or None when there were none.
+* ``dispatch_p50`` and ``dispatch_p99``: the dispatch latency (from the
+  commit of an assignment to the commit of its claim by the host, by the
+  events' ``at``, in seconds) of the dispatches since the previous point, or
+  None when there were none.
 
 The counts of tasks and devices come from one read of the database per point
 (``HistorySampler``); the finished tasks and the latencies from the control
@@ -29,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -113,12 +115,24 @@ class FleetHistory:
         if state == TaskState.ASSIGNED:
             if len(self._assigned_at) >= self.max_pending:
                 self._assigned_at.pop(next(iter(self._assigned_at)), None)
-            self._assigned_at[task_id] = self.clock()
+            self._assigned_at[task_id] = self._time_of(event)
         elif state == TaskState.DISPATCHED:
             if assigned is not None:
-                self._latency(max(self.clock() - assigned, 0.0))
+                self._latency(max(self._time_of(event) - assigned, 0.0))
         elif state in self._finished:
             self._finished[state] += 1
+
+    def _time_of(self, event: dict[str, Any]) -> float:
+        """When the transition was committed: the event's ``at`` (stamped by
+        the actor that committed it, before the hop to the event loop, which
+        may deliver an assignment and its claim together), else now."""
+        at = event.get("at")
+        if isinstance(at, str):
+            with contextlib.suppress(ValueError):
+                when = datetime.fromisoformat(at)
+                if when.tzinfo is not None:
+                    return when.timestamp()
+        return self.wall()
 
     def _latency(self, seconds: float) -> None:
         self._dispatches += 1

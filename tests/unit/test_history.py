@@ -5,6 +5,7 @@ memory of assignment times."""
 from __future__ import annotations
 
 import random
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -20,8 +21,11 @@ class FakeClock:
         return self.now
 
 
-def event(task_id: str, state: str) -> dict[str, Any]:
-    return {"task_id": task_id, "state": state, "attempt": 1}
+def event(task_id: str, state: str, at: float | None = None) -> dict[str, Any]:
+    e: dict[str, Any] = {"task_id": task_id, "state": state, "attempt": 1}
+    if at is not None:
+        e["at"] = datetime.fromtimestamp(at, UTC).isoformat()
+    return e
 
 
 def history(clock: FakeClock, **kw: Any) -> FleetHistory:
@@ -88,6 +92,21 @@ def test_dispatch_latency_percentiles_are_of_their_interval_only() -> None:
     assert point.dispatch_p99 == pytest.approx(0.099)
     empty = h.record(queued=0, retrying=0, devices={})
     assert (empty.dispatch_p50, empty.dispatch_p99, empty.dispatches) == (None, None, 0)
+
+
+def test_latency_is_between_the_commits_the_events_stamp_not_their_delivery() -> None:
+    clock = FakeClock()
+    h = history(clock)
+    for i in range(100):
+        # Delivered together (the clock stands still), committed (i + 1) ms apart.
+        h.on_event(event(f"t{i}", "assigned", at=5000.0))
+        h.on_event(event(f"t{i}", "dispatched", at=5000.0 + (i + 1) / 1000))
+    h.on_event(event("late", "assigned", at=5000.0))
+    h.on_event(event("late", "dispatched", at=4999.0))  # clocks disagree: 0, never negative
+    point = h.record(queued=0, retrying=0, devices={})
+    assert point.dispatches == 101
+    assert point.dispatch_p50 == pytest.approx(0.050)
+    assert point.dispatch_p99 == pytest.approx(0.099)
 
 
 def test_memory_is_bounded_assignments_and_latencies() -> None:

@@ -22,7 +22,7 @@
       { label: "failed", colour: "vermillion", get: (p) => p.finished.failed },
       { label: "cancelled", colour: "purple", get: (p) => p.finished.cancelled },
     ] },
-    latency: { what: "Dispatch latency", unit: "ms", digits: 0, series: [
+    latency: { what: "Dispatch latency", unit: "ms", digits: 2, series: [
       { label: "p50", colour: "blue", get: (p) => ms(p.dispatch_p50) },
       { label: "p99", colour: "orange", get: (p) => ms(p.dispatch_p99) },
     ] },
@@ -53,11 +53,21 @@
     return typeof value === "number" ? value.toFixed(digits) : "–";
   }
 
-  function niceMax(max) {
-    if (!(max > 0)) return 1;
+  // The top of the y axis: a round number at or above max; for counts, one
+  // whose half (the middle grid line) is a whole number too.
+  function niceMax(max, whole) {
+    const floor = whole ? 2 : 0.001;
+    if (!(max > floor)) return whole ? 2 : 1;
     const step = Math.pow(10, Math.floor(Math.log10(max)));
-    for (const m of [1, 2, 2.5, 5, 10]) if (m * step >= max) return m * step;
+    const steps = whole ? [1, 2, 4, 6, 8, 10] : [1, 2, 2.5, 5, 10];
+    for (const m of steps) if (m * step >= max && (!whole || m * step >= 2)) return m * step;
     return 10 * step;
+  }
+
+  function tickText(v, top) {
+    const half = top / 2;
+    const decimals = half >= 1 ? (Number.isInteger(half) ? 0 : 1) : Math.min(3, Math.ceil(-Math.log10(half)));
+    return v.toFixed(decimals);
   }
 
   function marker(shape, x, y, cls) {
@@ -68,15 +78,20 @@
 
   function draw(section, spec, data) {
     const points = data.points || [];
+    // The span shown: what the history holds, in whole 5-minute steps, at
+    // most its window (an hour): a young control plane's points are not
+    // squeezed into the right edge of an empty hour.
     const windowS = data.window_s || 3600;
     const now = points.length ? points[points.length - 1].at : Date.now() / 1000;
-    const x = (at) => L + (W - L - R) * (1 - Math.min(Math.max(now - at, 0), windowS) / windowS);
+    const heldS = points.length ? now - points[0].at : 0;
+    const spanS = Math.min(windowS, Math.max(300, Math.ceil(heldS / 300) * 300));
+    const x = (at) => L + (W - L - R) * (1 - Math.min(Math.max(now - at, 0), spanS) / spanS);
     let max = 0;
     for (const s of spec.series) for (const p of points) {
       const v = s.get(p);
       if (typeof v === "number" && v > max) max = v;
     }
-    const top = niceMax(max);
+    const top = niceMax(max, spec.digits === 0);
     const y = (v) => T + (H - T - B) * (1 - v / top);
 
     const svg = el("svg", { viewBox: `0 0 ${W} ${H}`, class: "plot", role: "img" });
@@ -84,10 +99,11 @@
       const v = top * f;
       svg.append(el("line", { x1: L, x2: W - R, y1: y(v), y2: y(v), class: "gridline" }));
       svg.append(el("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end", class: "tick" },
-        fmt(v, top < 10 && spec.digits ? 1 : 0)));
+        tickText(v, top)));
     }
-    for (const [label, ago] of [["−60 min", windowS], ["−30 min", windowS / 2], ["now", 0]]) {
-      const anchor = ago === windowS ? "start" : ago === 0 ? "end" : "middle";
+    const minutes = (s) => `−${Math.round(s / 60 * 10) / 10} min`;
+    for (const [label, ago] of [[minutes(spanS), spanS], [minutes(spanS / 2), spanS / 2], ["now", 0]]) {
+      const anchor = ago === spanS ? "start" : ago === 0 ? "end" : "middle";
       svg.append(el("text", { x: x(now - ago), y: H - 6, "text-anchor": anchor, class: "tick" }, label));
     }
     const latest = [];
@@ -109,8 +125,8 @@
       svg.append(el("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty" }, "No points yet"));
     }
     const said = spec.series.map((s, i) => `${s.label} ${fmt(latest[i], spec.digits)}`).join(", ");
-    svg.setAttribute("aria-label",
-      `${spec.what} over the last hour (${spec.unit}), ${points.length} points; latest: ${said}.`);
+    svg.setAttribute("aria-label", `${spec.what} (${spec.unit}) over the last ${minutes(spanS).slice(1)}, `
+      + `${points.length} points; latest: ${said}.`);
 
     const legend = html("ul", undefined, "legend");
     legend.setAttribute("aria-hidden", "true");
