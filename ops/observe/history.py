@@ -27,7 +27,7 @@ import contextlib
 import math
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -101,7 +101,9 @@ class FleetHistory:
         self._finished = dict.fromkeys(OUTCOMES, 0)
         self._latencies: list[float] = []
         self._dispatches = 0
-        self._assigned_at: dict[str, float] = {}
+        # Ordered by arrival: the oldest goes first, in O(1) (popping the front
+        # of a plain dict scans the slots its earlier pops left).
+        self._assigned_at: OrderedDict[str, float] = OrderedDict()
         self._since = self.clock()
 
     # --- the task events -------------------------------------------------------------
@@ -114,7 +116,7 @@ class FleetHistory:
         assigned = self._assigned_at.pop(task_id, None)
         if state == TaskState.ASSIGNED:
             if len(self._assigned_at) >= self.max_pending:
-                self._assigned_at.pop(next(iter(self._assigned_at)), None)
+                self._assigned_at.popitem(last=False)
             self._assigned_at[task_id] = self._time_of(event)
         elif state == TaskState.DISPATCHED:
             if assigned is not None:
@@ -148,7 +150,9 @@ class FleetHistory:
         """Close the interval: a point of these counts and of the events since
         the previous point. The oldest point goes once the ring is full."""
         now = self.clock()
-        per_minute = 60.0 / max(now - self._since, 1e-3)
+        # At least a second: the first point of a process may close an interval
+        # of milliseconds, whose rate would say nothing.
+        per_minute = 60.0 / max(now - self._since, 1.0)
         point = Point(
             at=self.wall(),
             queued=int(queued),

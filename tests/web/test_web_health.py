@@ -42,11 +42,19 @@ async def history_until(web: WebUser, holds: Any) -> dict[str, Any]:
         await asyncio.sleep(0.5)
 
 
-async def test_the_page_and_its_data_need_a_session(system: System, web: WebUser) -> None:
+async def test_the_page_and_its_data_need_a_session_of_any_user(
+    system: System, web: WebUser
+) -> None:
     for path in ("/health", "/health/data"):
         r = await web.get(path)
         assert r.status_code == 401, path
         assert "fleet_history" not in r.text and '"points"' not in r.text
+    bob = await system.user("bob")
+    assert (await web.sign_in("bob", bob)).status_code == 303
+    for path in ("/health", "/health/data"):
+        assert (await web.get(path)).status_code == 200, path
+    data = (await web.get("/health/data")).json()
+    assert set(data) == {"interval_s", "window_s", "outcomes", "device_states", "points"}
 
 
 async def test_the_history_counts_finished_tasks_dispatches_and_devices(
