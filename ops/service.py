@@ -104,6 +104,9 @@ class ControlPlaneService:
     gc_interval_s: float | None = 300.0
     #: Expired tasks deleted per transaction.
     gc_batch: int = 500
+    #: Seconds between the points of the fleet's history (``ops/observe/history.py``,
+    #: the console's health page), which keeps the last hour of them.
+    history_interval_s: float = 10.0
 
     engine: AsyncEngine | None = None
     repo: Repository | None = None
@@ -113,6 +116,8 @@ class ControlPlaneService:
     broker_auth: Any = None
     observer: Any = None
     gc: Any = None
+    history: Any = None
+    sampler: Any = None
 
     async def start(self) -> ControlPlaneService:
         from fleetlease.actors.runtime import ControlPlane
@@ -155,6 +160,7 @@ class ControlPlaneService:
             )
             await self.server.start()
             self._start_gc()
+            self._start_history()
             if self.metrics:
                 self.observer = observe.for_service(
                     self, self.metrics, optional=self.metrics_optional
@@ -180,6 +186,13 @@ class ControlPlaneService:
         )
         if self.gc_interval_s is not None:
             self.gc.start()
+
+    def _start_history(self) -> None:
+        from fleetlease.ops.observe.history import FleetHistory, HistorySampler
+
+        self.history = FleetHistory(interval_s=self.history_interval_s)
+        self.control_plane.add_listener(self.history.on_event)
+        self.sampler = HistorySampler(self.history, self.engine).start()
 
     def _ops_api(self) -> Any:
         try:
@@ -245,6 +258,9 @@ class ControlPlaneService:
             # Last but the pool: while the rest stops, /readyz answers "not ready".
             await asyncio.to_thread(self.observer.stop)
             self.observer = None
+        if self.sampler is not None:
+            await self.sampler.stop()
+            self.sampler = None
         if self.engine is not None:
             await self.engine.dispose()
             self.engine = None

@@ -52,6 +52,7 @@ OPS_VERBS: frozenset[str] = frozenset(
         "hosts",
         "devices",
         "fleet_counts",
+        "fleet_history",
         "host_add",
         "host_revoke",
         "host_list",

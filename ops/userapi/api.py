@@ -76,6 +76,7 @@ class OpsApi(TaskVerbs, FleetVerbs, AdminVerbs, DrainVerbs):
             "hosts": self.hosts,
             "devices": self.devices,
             "fleet_counts": self.fleet_counts,
+            "fleet_history": self.fleet_history,
             "host_add": self.host_add,
             "host_revoke": self.host_revoke,
             "host_list": self.host_list,

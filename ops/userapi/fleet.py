@@ -1,7 +1,7 @@
-"""The fleet verbs of the user API: ``hosts``, ``devices`` and ``fleet_counts``,
-readable by every user. ``devices`` names the task of a busy device only to a
-user who may read that task; anyone else sees the device busy with
-``task_id`` null."""
+"""The fleet verbs of the user API: ``hosts``, ``devices``, ``fleet_counts`` and
+``fleet_history``, readable by every user. ``devices`` names the task of a busy
+device only to a user who may read that task; anyone else sees the device busy
+with ``task_id`` null."""
 
 from __future__ import annotations
 
@@ -31,3 +31,14 @@ class FleetVerbs(ApiContext):
         a = Args(args, ("host",))
         counts: dict[str, Any] = plain(await self.repo.fleet_counts(user, host_id=a.name("host")))
         return counts
+
+    async def fleet_history(self, user: User, args: Any) -> dict[str, Any]:
+        """The fleet's last hour (``ops/observe/history.py``): fleet-wide totals
+        only, no task, user or project in them. Without a running history
+        (an API outside ``ControlPlaneService``), no points."""
+        Args(args, ())
+        history = getattr(self.service, "history", None)
+        if history is None:
+            return {"interval_s": None, "window_s": None, "points": []}
+        snapshot: dict[str, Any] = history.snapshot()
+        return snapshot

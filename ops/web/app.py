@@ -10,7 +10,7 @@ and the console itself holds no NATS identity. Live updates are server-sent
 events (``live.py``).
 
 ``create_app`` assembles the console: the routes of each page (``signin.py``,
-``fleet.py``, ``tasks.py``, ``live.py``, sharing ``pages.py``), the error
+``fleet.py``, ``tasks.py``, ``live.py``, ``health.py``, sharing ``pages.py``), the error
 pages (``errors.py``), the security headers (``headers.py``) and the running
 state (``console.py``). Sign-in sessions, CSRF and the cookie are in
 ``sessions.py``.
@@ -33,6 +33,7 @@ from fleetlease.ops.web.drain import DrainRoutes
 from fleetlease.ops.web.errors import ErrorHandlers
 from fleetlease.ops.web.fleet import FleetRoutes
 from fleetlease.ops.web.headers import SECURITY_HEADERS, SecurityHeaders
+from fleetlease.ops.web.health import HealthRoutes
 from fleetlease.ops.web.live import LiveRoutes
 from fleetlease.ops.web.pages import RequestRefused, SignInRequired
 from fleetlease.ops.web.signin import SignInRoutes
@@ -41,9 +42,11 @@ from fleetlease.ops.web.tasks import TaskRoutes
 STATIC = Path(__file__).parent / "static"
 
 
-class Web(SignInRoutes, FleetRoutes, DrainRoutes, TaskRoutes, LiveRoutes, ErrorHandlers):
+class Web(
+    SignInRoutes, FleetRoutes, DrainRoutes, TaskRoutes, LiveRoutes, HealthRoutes, ErrorHandlers
+):
     """The routes of the console, one group per page (``signin.py``,
-    ``fleet.py``, ``tasks.py``, ``live.py``) and the error handlers."""
+    ``fleet.py``, ``tasks.py``, ``live.py``, ``health.py``) and the error handlers."""
 
 
 def create_app(settings: WebSettings, *, console: Console | None = None) -> Starlette:
@@ -77,6 +80,8 @@ def create_app(settings: WebSettings, *, console: Console | None = None) -> Star
         Route("/tasks/{task_id}/cancel", web.cancel, methods=["POST"]),
         Route("/tasks/{task_id}/artifacts/{attempt:int}/{name:path}", web.artifact),
         Route("/events", web.events),
+        Route("/health", web.health),
+        Route("/health/data", web.health_data),
         Mount("/static", StaticFiles(directory=str(STATIC)), name="static"),
     ]
     app = Starlette(
