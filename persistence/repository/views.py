@@ -31,36 +31,14 @@ class ViewMixin(UserMixin):
     @staticmethod
     def _task_summary(row: RowMapping) -> dict[str, Any]:
         """The safe projection of a task row: no token hash, no session, no
-        credential ever (the columns are picked here, one by one)."""
-        return {
-            "id": row["id"],
-            "state": row["status"],
-            "kind": row["kind"],
-            "goal": row["goal"],
-            "workflow": row["workflow"],
-            "project": row["project"],
-            "owner": row["owner"],
-            "priority": row["priority"],
-            "attempt": row["attempt"],
-            "max_attempts": row["max_attempts"],
-            "retry_at": (
-                _iso(row["eligible_at"]) if row["status"] == TaskState.RETRYING.value else None
-            ),
-            "cancel": {
-                "requested": row["cancel_requested_at"] is not None,
-                "by": row["cancel_requested_by"],
-                "at": _iso(row["cancel_requested_at"]),
-            },
-            "result": row["result"],
-            "terminal_reason": row["terminal_reason"],
-            "reconcile": {
-                "outcome": row["reconcile_outcome"],
-                "at": _iso(row["reconciled_at"]),
-            },
-            "created_at": _iso(row["created_at"]),
-            "updated_at": _iso(row["updated_at"]),
-            "finished_at": _iso(row["finished_at"]),
-        }
+        credential ever (the columns are picked one by one, in
+        :func:`fleetlease.persistence.reads.task_summary`), without the list's
+        request id and cursor."""
+        from fleetlease.persistence.reads import task_summary
+
+        summary = task_summary(row)
+        del summary["request_id"], summary["cursor"]
+        return summary
 
     async def task_view(self, task_id: str, user: User) -> dict[str, Any]:
         """The safe projection of one task with its attempts (see ops JSON in the
