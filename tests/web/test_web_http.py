@@ -254,6 +254,8 @@ async def test_pages_show_the_fleet_the_tasks_and_a_task_with_logs_and_artifacts
     assert fleet.status_code == 200
     assert 'data-host-id="h1"' in fleet.text and "live" in fleet.text
     assert 'data-device-id="d0"' in fleet.text and 'data-device-id="d1"' in fleet.text
+    # A host that advertises no workflows takes any (its runner is simulated).
+    assert "any (simulated runner)" in fleet.text
 
     tasks = await web.get("/tasks?state=done")
     assert f'data-task-id="{task_id}"' in tasks.text
