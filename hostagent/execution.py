@@ -35,6 +35,7 @@ from fleetlease.hostagent.journal import Journal, JournalRecord, JournalThread
 from fleetlease.hostagent.runners.base import RunContext, RunnerFactory
 from fleetlease.hostagent.runners.workflow import CommandGoalRunner, ProcessWorkflowRunner
 from fleetlease.hostagent.workflows import DefinitionError, WorkflowDefinition, load_workflows
+from fleetlease.transport.wire.messages import MAX_WORKFLOWS
 
 __all__ = [
     "COMMAND_GOAL_RUNNER",
@@ -94,6 +95,11 @@ def _ours(pgid: int, start: int | None) -> bool:
 async def end_recorded_groups(groups: Iterable[tuple[int, int | None]], grace_s: float) -> int:
     """End every recorded process group still alive (SIGTERM to the group, SIGKILL
     after ``grace_s``); returns how many were signalled."""
+    return len(await _end_groups(groups, grace_s))
+
+
+async def _end_groups(groups: Iterable[tuple[int, int | None]], grace_s: float) -> list[int]:
+    """``end_recorded_groups``, returning the groups signalled."""
     targets: list[int] = []
     for pgid, start in groups:
         if pgid <= 1 or pgid == os.getpgrp():
@@ -103,34 +109,37 @@ async def end_recorded_groups(groups: Iterable[tuple[int, int | None]], grace_s:
                 os.killpg(pgid, signal.SIGTERM)
                 targets.append(pgid)
     if not targets:
-        return 0
+        return targets
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
     while loop.time() < deadline:
         if not any(_group_alive(g) for g in targets):
-            return len(targets)
+            return targets
         await asyncio.sleep(0.05)
     for pgid in targets:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
-    return len(targets)
+    return targets
 
 
 async def end_orphan_groups(
     entries: Iterable[JournalRecord], calls: JournalThread, journal: Journal, *, grace_s: float
 ) -> None:
     """End the process groups recorded for ``entries`` (attempts this agent
-    process is not running) and forget them in the journal."""
-    for entry in entries:
-        if not entry.groups:
-            continue
-        ended = await end_recorded_groups(entry.groups, grace_s)
+    process is not running) and forget them in the journal. Every group gets
+    its SIGTERM at once and one grace period is waited in all, so many orphans
+    cost one grace period, not one each."""
+    orphans = [e for e in entries if e.groups]
+    if not orphans:
+        return
+    signalled = set(await _end_groups([g for e in orphans for g in e.groups], grace_s))
+    for entry in orphans:
         log.info(
             "orphan_process_groups_ended",
             task_id=entry.task_id,
             attempt=entry.attempt,
             recorded=len(entry.groups),
-            signalled=ended,
+            signalled=sum(1 for pgid, _start in entry.groups if pgid in signalled),
         )
         await calls.call(journal.clear_groups, entry.task_id, entry.attempt)
 
@@ -229,6 +238,10 @@ def plan_execution(
                 definitions, work_root, device_env=env, grace_s=grace_s, on_group=recorder
             )
 
+        if len(definitions) > MAX_WORKFLOWS:
+            raise ValueError(
+                f"--workflows: {len(definitions)} workflows, at most {MAX_WORKFLOWS} per host"
+            )
         plan.runners[PROCESS_WORKFLOW_RUNNER] = make_workflow_runner
         plan.workflow_runner = PROCESS_WORKFLOW_RUNNER
         plan.workflows = tuple(sorted(definitions))

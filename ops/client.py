@@ -38,6 +38,8 @@ REPEATABLE_VERBS = frozenset(
         "hosts",
         "host_list",
         "devices",
+        "fleet_counts",
+        "fleet_history",
     }
 )
 _RECONNECT_CHECK_S = 0.1
@@ -196,8 +198,12 @@ class OpsClient:
         if not is_valid_token(name):
             raise OpsError("bad reply from the control plane: no user name", "bad_reply")
         await self.close()
-        self.user = name
-        await self.connect()
+        try:
+            self.user = name
+            await self.connect()
+        except BaseException:
+            self.user = None  # the next call identifies again
+            raise
 
     async def _request(self, subject: str, verb: str, args: dict[str, Any]) -> Any:
         import nats.errors

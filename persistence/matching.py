@@ -30,6 +30,8 @@ __all__ = [
 ]
 
 MAX_ADVERTISED_WORKFLOWS = 1000
+#: The longest workflow or goal-runner name a host may advertise (the wire's name limit).
+MAX_ADVERTISED_NAME = 128
 
 
 def serves_workflow(workflow: Any, host_workflows: Any) -> sa.ColumnElement[bool]:
@@ -61,13 +63,18 @@ def advert_params(host_id: str, advert: HostAdvert) -> dict[str, Any]:
     workflows = advert.workflows
     if workflows is not None:
         if len(workflows) > MAX_ADVERTISED_WORKFLOWS or not all(
-            isinstance(w, str) and 0 < len(w) <= 1024 for w in workflows
+            isinstance(w, str) and 0 < len(w) <= MAX_ADVERTISED_NAME for w in workflows
         ):
-            raise ValueError("workflows must be at most 1000 names of 1..1024 characters")
+            raise ValueError(
+                f"workflows must be at most {MAX_ADVERTISED_WORKFLOWS} names of "
+                f"1..{MAX_ADVERTISED_NAME} characters"
+            )
         workflows = tuple(sorted(set(workflows)))
     goal_runner = advert.goal_runner
-    if not isinstance(goal_runner, str) or len(goal_runner) > 256:
-        raise ValueError("goal_runner must be a string of at most 256 characters")
+    if not isinstance(goal_runner, str) or len(goal_runner) > MAX_ADVERTISED_NAME:
+        raise ValueError(
+            f"goal_runner must be a string of at most {MAX_ADVERTISED_NAME} characters"
+        )
     return {
         "p_host_id": host_id,
         "p_workflows": None if workflows is None else list(workflows),

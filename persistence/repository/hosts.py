@@ -198,7 +198,7 @@ class HostMixin(ExpiryMixin):
         try:
             advertised = None if advert is None else advert_params(session.host_id, advert)
         except ValueError as exc:
-            raise Invalid(str(exc), field="workflows") from None
+            raise Invalid(str(exc), field="advert") from None
 
         async def run(conn: AsyncConnection, now: datetime) -> None:
             seen = (

@@ -77,7 +77,7 @@ class ViewMixin(UserMixin):
                     "assigned_at": _iso(a.assigned_at),
                     "claimed_at": _iso(a.claimed_at),
                     "acked_at": _iso(a.acked_at),
-                    "started_at": _iso(a.claimed_at),
+                    "started_at": _iso(a.acked_at),
                     "lease_expires_at": _iso(a.lease_expires_at),
                     "ended_at": _iso(a.ended_at),
                     "end_reason": a.end_reason,

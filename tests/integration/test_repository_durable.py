@@ -694,7 +694,7 @@ async def test_authorized_users_read_job_scheduling_status_without_credential_ma
         assert view["retry_at"] is None and view["reconcile"] == {"outcome": None, "at": None}
         (a,) = view["attempts"]
         assert (a["host_id"], a["device_id"], a["lease_id"]) == ("h1", "d1", c.lease_id)
-        assert a["started_at"] == a["claimed_at"] is not None
+        assert a["started_at"] == a["acked_at"] is not None
     listed = await world.repo.list_tasks(world.carol, states=["running"], host_id="h1")
     assert [t["id"] for t in listed] == [c.task_id]
     assert "attempts" not in listed[0]
