@@ -120,7 +120,7 @@ def write_context(state_dir: Path, data: dict[str, Any]) -> Path:
     return path
 
 
-def js_replicas(flag: int | None, env: Any = None) -> int:
+def js_replicas(flag: int | str | None, env: Any = None) -> int:
     """The JetStream replica count: ``--js-replicas``, else
     ``FLEETLEASE_JS_REPLICAS``, else 1. Raises ``ConfigError`` unless it is an
     integer from 1 to 5 (JetStream's largest replica count)."""

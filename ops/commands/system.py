@@ -96,7 +96,6 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--js-replicas",
-        type=int,
         default=None,
         help="replica count of the JetStream assets (artifact store, staging stream); "
         f"up to the size of a NATS cluster (env {ENV_JS_REPLICAS}; default 1)",
