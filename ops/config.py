@@ -15,6 +15,7 @@ ENV_STATE_DIR = "FLEETLEASE_STATE_DIR"
 ENV_PREFIX = "FLEETLEASE_PREFIX"
 ENV_TOKEN = "FLEETLEASE_TOKEN"
 ENV_USER = "FLEETLEASE_USER"
+ENV_JS_REPLICAS = "FLEETLEASE_JS_REPLICAS"
 DEFAULT_PREFIX = "fleetlease"
 
 
@@ -117,3 +118,19 @@ def write_context(state_dir: Path, data: dict[str, Any]) -> Path:
         json.dump(data, f, indent=2)
     os.replace(tmp, path)
     return path
+
+
+def js_replicas(flag: int | str | None, env: Any = None) -> int:
+    """The JetStream replica count: ``--js-replicas``, else
+    ``FLEETLEASE_JS_REPLICAS``, else 1. Raises ``ConfigError`` unless it is an
+    integer from 1 to 5 (JetStream's largest replica count)."""
+    text = flag if flag is not None else (os.environ if env is None else env).get(ENV_JS_REPLICAS)
+    if text is None or text == "":
+        return 1
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"--js-replicas must be an integer from 1 to 5, got {text!r}") from None
+    if not 1 <= value <= 5:
+        raise ConfigError(f"--js-replicas must be an integer from 1 to 5, got {value}")
+    return value

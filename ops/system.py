@@ -70,6 +70,8 @@ async def check_nats(
     broker) and close."""
     import nats
 
+    from fleetlease.transport.nats_connect import server_list
+
     errors: list[str] = []
 
     async def _err(exc: Exception) -> None:
@@ -80,7 +82,7 @@ async def check_nats(
         # bound the whole attempt.
         nc = await asyncio.wait_for(
             nats.connect(
-                url,
+                server_list(url),
                 connect_timeout=timeout,
                 max_reconnect_attempts=0,
                 allow_reconnect=False,

@@ -148,6 +148,7 @@ class Artifacts:
                                     ObjectStoreConfig(
                                         max_bytes=self.limits.store_bytes,
                                         storage=StorageType.FILE,
+                                        replicas=self.limits.replicas,
                                     ),
                                 )
                             except APIError as exc:
@@ -169,18 +170,27 @@ class Artifacts:
     async def _apply_store_bytes(self, js: Any) -> None:
         """Bring the bucket's ``max_bytes`` to ``store_bytes``, but never below
         what it holds: JetStream would drop the oldest objects to fit. Commits
-        are refused while the store is over ``store_bytes`` (``_check_room``)."""
+        are refused while the store is over ``store_bytes`` (``_check_room``).
+        The bucket's replica count is brought to ``replicas`` too."""
         info = await js.stream_info(self.ranges.stream)
         want, held = self.limits.store_bytes, int(info.state.bytes or 0)
-        if info.config.max_bytes == want:
-            return
-        if held > want:
-            log.warning(
-                "artifact_store_over_limit", bucket=self.artifact_bucket, bytes=held, limit=want
-            )
-            return
-        info.config.max_bytes = want
-        await js.update_stream(info.config)
+        changed = False
+        if info.config.max_bytes != want:
+            if held > want:
+                log.warning(
+                    "artifact_store_over_limit",
+                    bucket=self.artifact_bucket,
+                    bytes=held,
+                    limit=want,
+                )
+            else:
+                info.config.max_bytes = want
+                changed = True
+        if (info.config.num_replicas or 1) != self.limits.replicas:
+            info.config.num_replicas = self.limits.replicas
+            changed = True
+        if changed:
+            await js.update_stream(info.config)
 
     def _quota(self) -> ArtifactQuota:
         limits = self.limits

@@ -83,6 +83,7 @@ import structlog
 
 from fleetlease.persistence.credentials import SqlCredentialStore as SqlCredentialStore
 from fleetlease.persistence.secrets import hash_secret
+from fleetlease.transport.nats_connect import server_list
 from fleetlease.transport.subjects import Subjects, is_valid_token
 
 if TYPE_CHECKING:
@@ -486,7 +487,7 @@ class BrokerAuthService:
             "error_cb": on_error,
         }
         opts.update(self._connect_options)
-        return await nats.connect(self.nats_url, **opts)
+        return await nats.connect(server_list(self.nats_url), **opts)
 
     async def start(self) -> BrokerAuthService:
         try:

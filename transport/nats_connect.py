@@ -45,8 +45,24 @@ class ReauthClient(NatsClient):
         await super()._process_err(err_msg)
 
 
+def server_list(url: str | list[str]) -> str | list[str]:
+    """The ``servers`` argument of ``nats.connect`` for a NATS URL setting.
+
+    A setting may name several members of a NATS cluster, comma-separated
+    (``nats://a:4222,nats://b:4222``); nats-py connects to one of them and fails
+    over to the others when it drops. A single URL is passed through unchanged.
+    """
+    if isinstance(url, list) or "," not in url:
+        return url
+    servers = [part.strip() for part in url.split(",") if part.strip()]
+    if not servers:
+        raise ValueError(f"no NATS URL in {url!r}")
+    return servers
+
+
 async def connect(servers: str | list[str], **options: Any) -> NatsClient:
-    """``nats.connect`` with a :class:`ReauthClient`."""
+    """``nats.connect`` with a :class:`ReauthClient`; ``servers`` may be a
+    comma-separated list of cluster members (see :func:`server_list`)."""
     nc = ReauthClient()
-    await nc.connect(servers, **options)
+    await nc.connect(server_list(servers), **options)
     return nc

@@ -51,6 +51,7 @@ from fleetlease.transport.broker_auth import ROLE_LIMITS
 from fleetlease.transport.clip import MAX_MESSAGE_CHARS, MAX_SUBJECT_CHARS, clip
 from fleetlease.transport.events import EventFanout
 from fleetlease.transport.host_handlers import HOST_VERBS, ControlPlaneLike, HostHandlers
+from fleetlease.transport.nats_connect import server_list
 from fleetlease.transport.ops_channel import OpsChannel, OpsHandler
 from fleetlease.transport.staging import StagingLimits
 from fleetlease.transport.subjects import Channel, Subjects, queue_group
@@ -324,7 +325,7 @@ class Server:
             "reconnected_cb": on_reconnect,
         }
         opts.update(self._connect_options if options is None else options)
-        return await nats.connect(self.nats_url, **opts)
+        return await nats.connect(server_list(self.nats_url), **opts)
 
     async def drain(self, grace_s: float = 10.0) -> None:
         """Stop taking new requests: NATS stops routing to this process (the

@@ -82,7 +82,9 @@ class StagingLimits:
     2 uploads (512 MiB) per host, 2 chunk requests per host at once per server
     process, chunks kept at most one hour; committed: 1 GiB and 64 artifacts
     per attempt, 4 GiB over the attempts a host holds, 8 GiB in the object
-    store; reads: 2 per user and 8 per server process at once."""
+    store; reads: 2 per user and 8 per server process at once. ``replicas``
+    is the JetStream replica count of the staging stream and the object store
+    (1 on a single nats-server; up to the cluster size on a NATS cluster)."""
 
     total_bytes: int = 2 * 1024**3
     max_artifact_bytes: int = 256 * 1024 * 1024
@@ -95,6 +97,7 @@ class StagingLimits:
     store_bytes: int = 8 * 1024**3
     user_reads: int = 2
     process_reads: int = 8
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -108,6 +111,7 @@ class StagingLimits:
             "store_bytes",
             "user_reads",
             "process_reads",
+            "replicas",
         ):
             _positive_int(name, getattr(self, name))
         if self.total_bytes < wire.ARTIFACT_CHUNK_BYTES + _MSG_OVERHEAD:
@@ -150,6 +154,7 @@ class Staging:
             max_age=self.limits.max_age_s,
             max_msgs_per_subject=1,
             max_msg_size=wire.ARTIFACT_CHUNK_BYTES + _MSG_OVERHEAD,
+            num_replicas=self.limits.replicas,
         )
 
     async def js(self) -> Any:

@@ -22,7 +22,14 @@ from fleetlease.ops import eventloop, interpreter
 from fleetlease.ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError, add_common
 from fleetlease.ops.commands import retention
 from fleetlease.ops.commands.status import add_metrics_flag, metrics_from_args
-from fleetlease.ops.config import ensure_state_dir, from_args, write_context
+from fleetlease.ops.config import (
+    ENV_JS_REPLICAS,
+    ConfigError,
+    ensure_state_dir,
+    from_args,
+    js_replicas,
+    write_context,
+)
 from fleetlease.ops.logging import configure_file_logging, configure_logging
 from fleetlease.ops.system import (
     AlreadyRunning,
@@ -86,6 +93,12 @@ def register(sub: Any) -> None:
         default=300.0,
         help="secured broker: lifetime of the NATS authorizations the callout issues; "
         "every connection re-proves its host or user this often (default 300)",
+    )
+    p.add_argument(
+        "--js-replicas",
+        default=None,
+        help="replica count of the JetStream assets (artifact store, staging stream); "
+        f"up to the size of a NATS cluster (env {ENV_JS_REPLICAS}; default 1)",
     )
     add_metrics_flag(p, default_on=True)
     retention.add_retain_flag(p)
@@ -670,8 +683,10 @@ async def run_control_plane(
     broker_jwt_expires_s: float = 300.0,
     metrics: tuple[str | None, bool] = (None, False),
     retain_s: int | None = None,
+    js_replicas: int = 1,
 ) -> None:
     from fleetlease.ops.service import ControlPlaneService, install_chaos_hook
+    from fleetlease.transport.staging import StagingLimits
 
     # Off unless FLEETLEASE_CHAOS_DIR is set (soak and fault tests only).
     uninstall_chaos = install_chaos_hook(asyncio.get_running_loop())
@@ -687,6 +702,7 @@ async def run_control_plane(
         metrics=metrics[0],
         metrics_optional=metrics[1],
         retain_s=retain_s,
+        staging=StagingLimits(replicas=js_replicas),
     )
     await service.start()
     try:
@@ -726,6 +742,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     metrics = metrics_from_args(args, default_on=True)
     retain_s = retention.retain_from_args(args)
     try:
+        replicas = js_replicas(args.js_replicas)
+    except ConfigError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from exc
+    try:
         ensure_state_dir(settings.state_dir)
         asyncio.run(_serve_precheck(settings))
         with stop_signals() as stop, Services(settings) as services:
@@ -746,6 +766,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     broker_jwt_expires_s=args.broker_jwt_expiry_s,
                     metrics=metrics,
                     retain_s=retain_s,
+                    js_replicas=replicas,
                 )
             )
     except (AlreadyRunning, Unreachable) as exc:

@@ -283,3 +283,36 @@ async def test_ops_subject_is_served_by_serve(
         assert isinstance(reply, wire.Error) and reply.code == "unauthorized"
     finally:
         await nc.close()
+
+
+async def test_serve_starts_and_serves_with_a_dead_member_in_its_nats_url_list(
+    db_url: str, nats_url: str, subject_prefix: str, state_dir: Path, repo: Repository
+) -> None:
+    urls = f"nats://127.0.0.1:1,{nats_url}"
+    s = await spawn(*serve_args(db_url, urls, subject_prefix, state_dir))
+    try:
+        await s.logged("server_started")
+        # A host given the same list reaches it too.
+        c = await host(repo, urls, subject_prefix)
+        await c.close()
+    finally:
+        s.kill()
+        await s.wait()
+
+
+@pytest.mark.parametrize("replicas", ["0", "6", "three"])
+async def test_a_bad_js_replica_count_is_a_usage_error_before_anything_starts(
+    replicas: str, db_url: str, nats_url: str, subject_prefix: str, state_dir: Path
+) -> None:
+    args = serve_args(db_url, nats_url, subject_prefix, state_dir)
+    s = await spawn(*args, "--js-replicas", replicas)
+    try:
+        code = await s.wait()
+    finally:
+        s.kill()
+    err = [line for line in s.stderr if line.strip()]
+    assert code == 2, err
+    assert "Traceback" not in "\n".join(err)
+    assert [line for line in err if line.startswith("fleetlease:")] == [
+        next(line for line in err if "--js-replicas" in line)
+    ], err
