@@ -162,6 +162,45 @@ def task_summary(row: Any) -> dict[str, Any]:
     }
 
 
+async def attempt_history(conn: AsyncConnection, task_id: str) -> list[dict[str, Any]]:
+    """A task's attempts, oldest first, as every task view shows them:
+    ``started_at`` is when the host acknowledged the attempt (it began running)."""
+    rows = (
+        await conn.execute(
+            sa.select(
+                attempts.c.number,
+                attempts.c.host_id,
+                attempts.c.device_id,
+                attempts.c.lease_id,
+                attempts.c.assigned_at,
+                attempts.c.claimed_at,
+                attempts.c.acked_at,
+                attempts.c.lease_expires_at,
+                attempts.c.ended_at,
+                attempts.c.end_reason,
+            )
+            .where(attempts.c.task_id == task_id)
+            .order_by(attempts.c.number)
+        )
+    ).all()
+    return [
+        {
+            "number": a.number,
+            "host_id": a.host_id,
+            "device_id": a.device_id,
+            "lease_id": a.lease_id,
+            "assigned_at": _iso(a.assigned_at),
+            "claimed_at": _iso(a.claimed_at),
+            "acked_at": _iso(a.acked_at),
+            "started_at": _iso(a.acked_at),
+            "lease_expires_at": _iso(a.lease_expires_at),
+            "ended_at": _iso(a.ended_at),
+            "end_reason": a.end_reason,
+        }
+        for a in rows
+    ]
+
+
 class Reads:
     """The read model over one repository (its engine, clock and retry rules)."""
 
@@ -246,39 +285,7 @@ class Reads:
                 if row["status"] in _WAITING_NOW
                 else None
             )
-            history = (
-                await conn.execute(
-                    sa.select(
-                        attempts.c.number,
-                        attempts.c.host_id,
-                        attempts.c.device_id,
-                        attempts.c.lease_id,
-                        attempts.c.assigned_at,
-                        attempts.c.claimed_at,
-                        attempts.c.acked_at,
-                        attempts.c.lease_expires_at,
-                        attempts.c.ended_at,
-                        attempts.c.end_reason,
-                    )
-                    .where(attempts.c.task_id == tid)
-                    .order_by(attempts.c.number)
-                )
-            ).all()
-            view["attempts"] = [
-                {
-                    "number": a.number,
-                    "host_id": a.host_id,
-                    "device_id": a.device_id,
-                    "lease_id": a.lease_id,
-                    "assigned_at": _iso(a.assigned_at),
-                    "claimed_at": _iso(a.claimed_at),
-                    "started_at": _iso(a.acked_at),
-                    "lease_expires_at": _iso(a.lease_expires_at),
-                    "ended_at": _iso(a.ended_at),
-                    "end_reason": a.end_reason,
-                }
-                for a in history
-            ]
+            view["attempts"] = await attempt_history(conn, tid)
             return view
 
         return await self.repo._tx("task_view", run)

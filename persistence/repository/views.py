@@ -50,40 +50,9 @@ class ViewMixin(UserMixin):
             row = await self._authorize_task(conn, tid, user)
             view = self._task_summary(row)
             view["request_id"] = row["request_id"]
-            history = (
-                await conn.execute(
-                    sa.select(
-                        attempts.c.number,
-                        attempts.c.host_id,
-                        attempts.c.device_id,
-                        attempts.c.lease_id,
-                        attempts.c.assigned_at,
-                        attempts.c.claimed_at,
-                        attempts.c.acked_at,
-                        attempts.c.lease_expires_at,
-                        attempts.c.ended_at,
-                        attempts.c.end_reason,
-                    )
-                    .where(attempts.c.task_id == tid)
-                    .order_by(attempts.c.number)
-                )
-            ).all()
-            view["attempts"] = [
-                {
-                    "number": a.number,
-                    "host_id": a.host_id,
-                    "device_id": a.device_id,
-                    "lease_id": a.lease_id,
-                    "assigned_at": _iso(a.assigned_at),
-                    "claimed_at": _iso(a.claimed_at),
-                    "acked_at": _iso(a.acked_at),
-                    "started_at": _iso(a.acked_at),
-                    "lease_expires_at": _iso(a.lease_expires_at),
-                    "ended_at": _iso(a.ended_at),
-                    "end_reason": a.end_reason,
-                }
-                for a in history
-            ]
+            from fleetlease.persistence.reads import attempt_history
+
+            view["attempts"] = await attempt_history(conn, tid)
             return view
 
         return await self._tx("task_view", run)
