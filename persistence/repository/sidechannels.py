@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -33,6 +33,9 @@ from fleetlease.persistence.repository._validate import (
 from fleetlease.persistence.repository.fencing import FencingMixin
 from fleetlease.persistence.repository.views import ViewMixin, _iso
 from fleetlease.persistence.tables import artifacts, attempts, log_lines, tasks
+
+if TYPE_CHECKING:
+    from fleetlease.persistence.repository import Repository
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -352,40 +355,11 @@ class SideChannelMixin(FencingMixin, ViewMixin):
         await self._tx("forget_artifact", run)
 
     async def list_artifacts(self, task_id: str, user: User) -> list[dict[str, Any]]:
-        """[{attempt, name, size, sha256, object_name, created_at}], authorized like
-        task_view. ``object_name`` is the control plane's object-store key."""
-        tid = _check_task_id(task_id)
-        _check_user(user)
+        """A task's artifacts, authorized like ``task_view``: the one read of
+        :meth:`fleetlease.persistence.reads.Reads.list_artifacts`."""
+        from fleetlease.persistence.reads import Reads
 
-        async def run(conn: AsyncConnection, now: datetime) -> list[dict[str, Any]]:
-            await self._authorize_task(conn, tid, user)
-            rows = (
-                await conn.execute(
-                    sa.select(
-                        artifacts.c.attempt,
-                        artifacts.c.name,
-                        artifacts.c.size,
-                        artifacts.c.sha256,
-                        artifacts.c.object_name,
-                        artifacts.c.created_at,
-                    )
-                    .where(artifacts.c.task_id == tid)
-                    .order_by(artifacts.c.attempt, artifacts.c.name)
-                )
-            ).all()
-            return [
-                {
-                    "attempt": r.attempt,
-                    "name": r.name,
-                    "size": r.size,
-                    "sha256": r.sha256,
-                    "object_name": r.object_name,
-                    "created_at": _iso(r.created_at),
-                }
-                for r in rows
-            ]
-
-        return await self._tx("list_artifacts", run)
+        return await Reads(cast("Repository", self)).list_artifacts(task_id, user)
 
 
 @dataclass(frozen=True, kw_only=True)
