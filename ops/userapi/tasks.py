@@ -194,11 +194,9 @@ class TaskVerbs(ApiContext):
         deadline = loop.time() + wait_s
         if after is None:
             # Not live yet (starting, or listening again after a drop): briefly.
-            while feed.present is None and not feed.closed:
-                remaining = min(deadline, loop.time() + HOLD_WAIT_S) - loop.time()
-                if remaining <= 0:
-                    break
-                await feed.changed(remaining)
+            live_by = loop.time() + HOLD_WAIT_S
+            while feed.present is None and not feed.closed and loop.time() < live_by:
+                await feed.changed(live_by - loop.time())
             present = feed.present
             if present is None:
                 raise Unavailable("the events feed of this control plane is not live yet")
