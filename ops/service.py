@@ -193,7 +193,13 @@ class ControlPlaneService:
         from fleetlease.ops.observe.history import FleetHistory, HistorySampler
 
         self.history = FleetHistory(interval_s=self.history_interval_s)
-        self.control_plane.add_listener(self.history.on_event)
+        # The deployment's committed changes, whichever process made them (the
+        # actors' own events where there is no user API).
+        feed = getattr(self.ops, "feed", None)
+        if feed is not None:
+            feed.add_listener(self.history.on_event)
+        else:
+            self.control_plane.add_listener(self.history.on_event)
         self.sampler = HistorySampler(self.history, self.engine).start()
 
     def _ops_api(self) -> Any:

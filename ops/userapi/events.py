@@ -6,7 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from collections.abc import Callable
 from typing import Any
+
+import structlog
+
+log = structlog.get_logger("fleetlease.ops")
 
 #: Recent task events kept for the ``events`` verb.
 EVENT_RING = 10_000
@@ -42,6 +47,7 @@ class EventFeed:
         self.closed = False
         #: Times the feed was reset (its listen connection dropped).
         self.resets = 0
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
 
     @property
     def parked(self) -> int:
@@ -54,10 +60,21 @@ class EventFeed:
         the first entry since the start or the last reset (not live yet)."""
         return self._ring[-1][0] if self._ring else None
 
+    def add_listener(self, callback: Callable[[dict[str, Any]], None]) -> None:
+        """``callback(event)`` for each committed event appended from now on,
+        whichever process made it (marks are not events)."""
+        self._listeners.append(callback)
+
     def append(self, event_id: int, event: dict[str, Any] | None) -> None:
         """The next committed event (None: a mark), in commit order."""
         if event_id in self._index:
             return  # delivered once by PostgreSQL; never numbered twice here
+        if event is not None:
+            for callback in self._listeners:
+                try:
+                    callback(event)
+                except Exception as exc:  # one bad listener must not stop the feed
+                    log.error("event_feed.listener_failed", error=repr(exc))
         if len(self._ring) >= self.capacity:
             old, _ = self._ring.popleft()
             del self._index[old]

@@ -42,6 +42,8 @@ MAX_EVENTS_WAIT_S = 30.0
 #: How long an ``events`` poll waits for a cursor this process does not hold
 #: yet (made by another process an instant ago) before calling it unavailable.
 HOLD_WAIT_S = 1.0
+#: The ``epoch`` of every ``events`` reply: cursors no longer belong to a run.
+EVENTS_EPOCH = "commit-order"
 
 
 class TaskVerbs(ApiContext):
@@ -179,7 +181,8 @@ class TaskVerbs(ApiContext):
         or its listen connection dropped since) is ``unavailable``, a retryable
         error: another process may hold it (``ops.client.task_events`` asks
         again, and reports a gap when none does). ``epoch`` is accepted and
-        ignored; ``gap`` is always false (kept for older clients)."""
+        ignored, and answered with a constant; ``gap`` is always false (both
+        kept for older clients, which pass ``epoch`` back and read ``gap``)."""
         a = Args(args, ("after", "wait_s", "limit", "epoch"))
         after = a.integer("after", lo=0, hi=2**63 - 1)
         wait_s = a.number("wait_s", lo=0.0, hi=MAX_EVENTS_WAIT_S, default=0.0)
@@ -188,7 +191,7 @@ class TaskVerbs(ApiContext):
         feed = self.feed
 
         def reply(events: list[dict[str, Any]], cursor: int) -> dict[str, Any]:
-            return {"events": events, "next": cursor, "gap": False}
+            return {"events": events, "next": cursor, "epoch": EVENTS_EPOCH, "gap": False}
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s

@@ -79,6 +79,11 @@ async def test_every_process_serves_every_change_under_the_same_cursor(
     admin = await a.repo.add_user("admin", platform_admin=True)
     await a.repo.add_project("default", owner="admin")
     start_a, start_b = await _present(a, admin), await _present(b, admin)
+    heard: dict[str, list[tuple[str, str]]] = {"a": [], "b": []}
+    for name, svc in (("a", a), ("b", b)):
+        svc.ops.feed.add_listener(
+            lambda e, name=name: heard[name].append((e["task_id"], e["state"]))
+        )
 
     made_by_a = await a.control_plane.submit(_spec("admin"))
     made_by_b = await b.control_plane.submit(_spec("admin"))
@@ -106,6 +111,8 @@ async def test_every_process_serves_every_change_under_the_same_cursor(
         (e["seq"], e["task_id"], e["state"]) for e in seen_b
     ]
     assert all(e["at"] is not None and e["attempt"] == 0 for e in seen_a)
+    # The feed's listeners (the console's fleet history) hear them all too.
+    assert heard["a"] == heard["b"] == changes
     # Halfway through, a cursor of one process still continues on the other.
     middle = seen_a[1]["seq"]
     rest, _ = await _read_until(b, admin, middle, lambda seen: len(seen) >= 2)
