@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -310,15 +310,31 @@ class PollPacer:
         return float(delay * (0.5 + 0.5 * self.rng()))
 
 
+#: ``unavailable`` answers in a row that an events poll takes before giving up:
+#: on a cursor, that no control plane holds it (a gap); without one, that none
+#: answers. The retries wait 0.2 s, doubling up to 2 s, with jitter: about 10 s
+#: in all (plus the requests' own time).
+EVENTS_RETRIES = 8
+
+
 async def _poll_events(client: OpsClient, pacer: PollPacer, **args: Any) -> Any:
-    """One ``events`` call, retried after ``pacer``'s backoff while ``busy``."""
+    """One ``events`` call, retried after ``pacer``'s backoff while ``busy``, and
+    while ``unavailable`` up to ``EVENTS_RETRIES`` times (each retry may reach
+    another control-plane process: one that holds the cursor, or one that is
+    alive); then the last ``unavailable`` is raised."""
+    unavailable = 0
     while True:
         try:
             return await client.call("events", **args)
         except OpsError as exc:
-            if exc.code != "busy":
+            if exc.code == "busy":
+                await asyncio.sleep(pacer.refused())
+                continue
+            if exc.code != "unavailable" or unavailable >= EVENTS_RETRIES:
                 raise
-        await asyncio.sleep(pacer.refused())
+        delay = min(2.0, 0.2 * 2**unavailable)
+        unavailable += 1
+        await asyncio.sleep(delay * (0.5 + 0.5 * pacer.rng()))
 
 
 async def task_events(
@@ -327,25 +343,43 @@ async def task_events(
     subscribed: asyncio.Event | None = None,
     wait_s: float | None = None,
     pacer: PollPacer | None = None,
+    on_gap: Callable[[], Awaitable[None] | None] | None = None,
 ) -> AsyncGenerator[dict[str, Any], None]:
-    """State changes of the tasks this user may read, from the control plane's
-    ``events`` verb (a long-poll the control plane filters by the user's roles:
-    no client ever reads another's events). ``subscribed`` is set once the
-    cursor of the present is known: every event after that is seen (a live view
-    can say "live" truthfully). ``wait_s``: the long-poll of one request
-    (default: three quarters of the client's timeout, at most 25 s). Early empty
-    answers and ``busy`` refusals are paced by ``pacer`` (:class:`PollPacer`)."""
+    """State changes of the tasks this user may read, in commit order, from the
+    control plane's ``events`` verb (a long-poll the control plane filters by
+    the user's roles: no client ever reads another's events). ``subscribed`` is
+    set once the cursor of the present is known: every event after that is seen
+    (a live view can say "live" truthfully). ``wait_s``: the long-poll of one
+    request (default: three quarters of the client's timeout, at most 25 s).
+    Early empty answers and ``busy`` refusals are paced by ``pacer``
+    (:class:`PollPacer`).
+
+    Every ``serve`` process serves the same feed, so a cursor continues on
+    whichever one answers. A poll that fails ``unavailable`` (the process was
+    stopped or killed, or does not hold the cursor) is retried, paced, up to
+    ``EVENTS_RETRIES`` times. When none of those retries could continue from
+    the cursor, the feed goes on from the present and ``on_gap`` is called
+    (changes may have been missed: re-read what you show); when no control
+    plane answers at all, the last ``OpsError`` is raised."""
     wait = wait_s if wait_s is not None else min(25.0, client.timeout_s * 0.75)
     pacer = pacer if pacer is not None else PollPacer()
     loop = asyncio.get_running_loop()
-    first = await _poll_events(client, pacer)
-    cursor, epoch = int(first["next"]), str(first["epoch"])
+    cursor = int((await _poll_events(client, pacer))["next"])
     if subscribed is not None:
         subscribed.set()
     while True:
         started = loop.time()
-        page = await _poll_events(client, pacer, after=cursor, epoch=epoch, wait_s=wait)
-        cursor, epoch = int(page["next"]), str(page["epoch"])
+        try:
+            page = await _poll_events(client, pacer, after=cursor, wait_s=wait)
+        except OpsError as exc:
+            if exc.code != "unavailable":
+                raise
+            page = {"next": (await _poll_events(client, pacer))["next"], "gap": True}
+        cursor = int(page["next"])
+        if page.get("gap") and on_gap is not None:
+            pending = on_gap()
+            if pending is not None:
+                await pending
         raws = page.get("events") or []
         delay = pacer.answered(waited_s=loop.time() - started, asked_s=wait, events=len(raws))
         for raw in raws:

@@ -144,6 +144,8 @@ class ControlPlaneService:
             secret = ServerSecret.load_or_create(self.state_dir / "server.secret")
             connect_options, storage_options = await self._start_broker_auth()
             self.ops = self._ops_api()
+            if self.ops is not None:
+                self.ops.start()
             self.server = Server(
                 nats_url=self.nats_url,
                 control_plane=self.control_plane,
@@ -191,7 +193,13 @@ class ControlPlaneService:
         from fleetlease.ops.observe.history import FleetHistory, HistorySampler
 
         self.history = FleetHistory(interval_s=self.history_interval_s)
-        self.control_plane.add_listener(self.history.on_event)
+        # The deployment's committed changes, whichever process made them (the
+        # actors' own events where there is no user API).
+        feed = getattr(self.ops, "feed", None)
+        if feed is not None:
+            feed.add_listener(self.history.on_event)
+        else:
+            self.control_plane.add_listener(self.history.on_event)
         self.sampler = HistorySampler(self.history, self.engine).start()
 
     def _ops_api(self) -> Any:
@@ -231,8 +239,8 @@ class ControlPlaneService:
         if self.gc is not None:
             await self.gc.stop()  # after its current batch
             self.gc = None
-        if self.ops is not None and hasattr(self.ops, "close"):
-            self.ops.close()  # parked `events` long-polls answer now
+        if self.ops is not None:
+            await self.ops.stop()  # parked `events` long-polls answer now
         if self.server is not None:
             try:
                 await self.server.drain(grace_s)

@@ -2,7 +2,9 @@
 applied by ``migrate``), the domain records (``model``), the typed errors
 (``errors``) and the :class:`Repository`, whose every transition is a fenced
 compare-and-set (its package holds one module per role). Read models beside it:
-``reads`` (task lists), ``fleet_view``, ``bulk``, ``matching``, ``credentials``.
+``reads`` (task lists), ``fleet_view``, ``bulk``, ``matching``, ``credentials``;
+``taskevents`` (``TaskEventStream``: the task events the database announces
+at each commit).
 
 The names are imported on first use, so that importing the model does not load
 SQLAlchemy's engine machinery."""
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
         User,
     )
     from fleetlease.persistence.repository import Repository
+    from fleetlease.persistence.taskevents import TaskEventStream
 
 #: Public name -> the module that defines it.
 _SOURCES = {
@@ -60,6 +63,7 @@ _SOURCES = {
     "RetryPolicy": "model",
     "Session": "model",
     "SystemClock": "clock",
+    "TaskEventStream": "taskevents",
     "TaskKind": "model",
     "TaskSpec": "model",
     "TaskState": "model",
@@ -88,6 +92,7 @@ __all__ = [
     "RetryPolicy",
     "Session",
     "SystemClock",
+    "TaskEventStream",
     "TaskKind",
     "TaskSpec",
     "TaskState",

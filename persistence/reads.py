@@ -357,20 +357,3 @@ class Reads:
             ]
 
         return await self.repo._tx("list_artifacts", run)
-
-    async def attempt_devices(self, pairs: Sequence[tuple[str, int]]) -> dict[tuple[str, int], str]:
-        """The device of each (task id, attempt number) that has one: what the
-        ``events`` verb adds to the events it serves. One read."""
-        wanted = sorted({(str(t), int(n)) for t, n in pairs if n >= 1})
-        if not wanted:
-            return {}
-
-        async def run(conn: AsyncConnection, now: datetime) -> dict[tuple[str, int], str]:
-            rows = await conn.execute(
-                sa.select(attempts.c.task_id, attempts.c.number, attempts.c.device_id).where(
-                    sa.tuple_(attempts.c.task_id, attempts.c.number).in_(wanted)
-                )
-            )
-            return {(str(r.task_id), int(r.number)): str(r.device_id) for r in rows}
-
-        return await self.repo._tx("attempt_devices", run)

@@ -35,9 +35,19 @@ def cmd_watch(args: argparse.Namespace) -> int:
             for t in await client.call("tasks", limit=args.limit):
                 rows[t["id"]] = t
         seen = 0
-        events = task_events(client)
         display = _LiveTasks(rows, args.limit) if live else None
         stale = asyncio.Event()
+
+        async def on_gap() -> None:
+            # No control plane could continue from where this view was: say so,
+            # and re-read what the table shows.
+            print("watch: some changes may have been missed", file=sys.stderr, flush=True)
+            if display is not None:
+                with contextlib.suppress(CliError):
+                    display.replace(await client.call("tasks", limit=args.limit))
+                stale.set()
+
+        events = task_events(client, on_gap=on_gap)
 
         async def read_totals() -> None:
             # The title counts the fleet's tasks, not the rows loaded.

@@ -14,10 +14,12 @@ point has:
   None when there were none.
 
 The counts of tasks and devices come from one read of the database per point
-(``HistorySampler``); the finished tasks and the latencies from the control
-plane's task events (``FleetHistory.on_event``, a ``ControlPlane.add_listener``
-callback, one dictionary operation per event). The latencies of one interval
-are kept exactly up to ``max_latencies``, then as a uniform reservoir sample.
+(``HistorySampler``); the finished tasks and the latencies from the committed
+task events of the whole deployment, whichever ``serve`` made them
+(``FleetHistory.on_event``, an ``EventFeed.add_listener`` callback, one
+dictionary operation per event), so every process shows the same history.
+The latencies of one interval are kept exactly up to ``max_latencies``, then as
+a uniform reservoir sample.
 """
 
 from __future__ import annotations
@@ -125,9 +127,9 @@ class FleetHistory:
             self._finished[state] += 1
 
     def _time_of(self, event: dict[str, Any]) -> float:
-        """When the transition was committed: the event's ``at`` (stamped by
-        the actor that committed it, before the hop to the event loop, which
-        may deliver an assignment and its claim together), else now."""
+        """When the transition was committed: the event's ``at`` (the task's
+        ``updated_at``, written by the transaction that committed it; an
+        assignment and its claim made together share it), else now."""
         at = event.get("at")
         if isinstance(at, str):
             with contextlib.suppress(ValueError):

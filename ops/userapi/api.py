@@ -38,6 +38,7 @@ from fleetlease.persistence.errors import Forbidden, Invalid, Unauthorized
 from fleetlease.persistence.model import User
 from fleetlease.persistence.reads import Reads
 from fleetlease.persistence.repository import Repository
+from fleetlease.persistence.taskevents import TaskEventStream
 from fleetlease.transport.clip import clip, clip_repr
 
 log = structlog.get_logger("fleetlease.ops")
@@ -59,9 +60,7 @@ class OpsApi(TaskVerbs, FleetVerbs, AdminVerbs, DrainVerbs):
         self.cp = control_plane
         self.service = service
         self.feed = EventFeed()
-        add_listener = getattr(control_plane, "add_listener", None)
-        if callable(add_listener):
-            add_listener(self.feed.add)
+        self.stream: TaskEventStream | None = None
         self._verbs: dict[str, Callable[[User, Any], Any]] = {
             "whoami": self.whoami,
             "events": self.events,
@@ -117,9 +116,22 @@ class OpsApi(TaskVerbs, FleetVerbs, AdminVerbs, DrainVerbs):
         log.debug("ops_request", verb=verb, user=principal.name)
         return result
 
+    def start(self) -> None:
+        """Start listening for the committed task events that the ``events`` verb
+        serves (on the loop)."""
+        if self.stream is None:
+            self.stream = TaskEventStream(self.repo.engine, self.feed).start()
+
     def close(self) -> None:
         """Release the parked ``events`` long-polls (called when stopping)."""
         self.feed.close()
+
+    async def stop(self) -> None:
+        """Release the parked long-polls and stop listening."""
+        self.close()
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            await stream.stop()
 
     async def whoami(self, user: User, args: Any) -> dict[str, Any]:
         Args(args, ())

@@ -14,6 +14,7 @@ import structlog
 from fleetlease.ops.limits import MAX_NAME
 from fleetlease.ops.userapi.args import STATES, Args
 from fleetlease.ops.userapi.context import ApiContext
+from fleetlease.ops.userapi.events import NotHeld
 from fleetlease.ops.userapi.projection import (
     project_artifact,
     project_cancel,
@@ -21,7 +22,7 @@ from fleetlease.ops.userapi.projection import (
     project_task,
 )
 from fleetlease.persistence.bulk import MAX_CANCEL_BATCH, CancelFilter
-from fleetlease.persistence.errors import Invalid, NotFound
+from fleetlease.persistence.errors import Invalid, NotFound, Unavailable
 from fleetlease.persistence.model import RetryPolicy, TaskKind, TaskSpec, TaskState, User
 from fleetlease.persistence.reads import MAX_PAGE
 
@@ -38,6 +39,11 @@ MAX_LOG_PAGE = 1000
 MAX_ARTIFACT_SLICE = 512 * 1024
 #: The longest wait of an ``events`` long-poll.
 MAX_EVENTS_WAIT_S = 30.0
+#: How long an ``events`` poll waits for a cursor this process does not hold
+#: yet (made by another process an instant ago) before calling it unavailable.
+HOLD_WAIT_S = 1.0
+#: The ``epoch`` of every ``events`` reply: cursors no longer belong to a run.
+EVENTS_EPOCH = "commit-order"
 
 
 class TaskVerbs(ApiContext):
@@ -156,13 +162,6 @@ class TaskVerbs(ApiContext):
         dry_run = a.flag("dry_run")
         batch = await self.bulk.batch(user, f, limit=limit, dry_run=dry_run)
         if batch.cancelled:
-            at = self.repo.clock.now().isoformat()
-            self.feed.add(
-                [
-                    {"task_id": tid, "state": "cancelled", "attempt": n, "host_id": None, "at": at}
-                    for tid, n in batch.cancelled
-                ]
-            )
             log.info("tasks_cancelled", count=len(batch.cancelled), project=f.project, by=user.name)
         return {
             "cancelled": len(batch.cancelled),
@@ -173,59 +172,65 @@ class TaskVerbs(ApiContext):
         }
 
     async def events(self, user: User, args: Any) -> dict[str, Any]:
-        """Long-poll of the task events this user may read. Without ``after``: the
-        cursor of the present, at once (a live view is live from there). With it:
-        the readable events numbered above ``after`` (waiting up to ``wait_s`` for
-        one), and ``next``, the cursor to pass next time. ``gap``: events may
-        have been missed (the ring overflowed, or the cursor belongs to another
-        process or run, named by ``epoch``): re-read what you show."""
+        """Long-poll of the committed task events this user may read, the same
+        on every control-plane process. Without ``after``: the cursor of the
+        present, at once (a live view is live from there). With it: the
+        readable events after that cursor (waiting up to ``wait_s`` for one),
+        and ``next``, the cursor to pass next time. A cursor this process does
+        not hold (it started listening after it, its ring overflowed past it,
+        or its listen connection dropped since) is ``unavailable``, a retryable
+        error: another process may hold it (``ops.client.task_events`` asks
+        again, and reports a gap when none does). ``epoch`` is accepted and
+        ignored, and answered with a constant; ``gap`` is always false (both
+        kept for older clients, which pass ``epoch`` back and read ``gap``)."""
         a = Args(args, ("after", "wait_s", "limit", "epoch"))
         after = a.integer("after", lo=0, hi=2**63 - 1)
         wait_s = a.number("wait_s", lo=0.0, hi=MAX_EVENTS_WAIT_S, default=0.0)
         limit = a.integer("limit", lo=1, hi=MAX_LIST, default=500)
-        epoch = a.text("epoch", max_len=64)
+        a.text("epoch", max_len=64)
         feed = self.feed
 
-        def reply(events: list[dict[str, Any]], cursor: int, gap: bool) -> dict[str, Any]:
-            return {"events": events, "next": cursor, "epoch": feed.epoch, "gap": gap}
+        def reply(events: list[dict[str, Any]], cursor: int) -> dict[str, Any]:
+            return {"events": events, "next": cursor, "epoch": EVENTS_EPOCH, "gap": False}
 
-        if after is None:
-            return reply([], feed.last, False)
-        if (epoch is not None and epoch != feed.epoch) or after > feed.last:
-            return reply([], feed.last, True)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
-        cursor, gap = after, False
+        if after is None:
+            # Not live yet (starting, or listening again after a drop): briefly.
+            live_by = loop.time() + HOLD_WAIT_S
+            while feed.present is None and not feed.closed and loop.time() < live_by:
+                await feed.changed(live_by - loop.time())
+            present = feed.present
+            if present is None:
+                raise Unavailable("the events feed of this control plane is not live yet")
+            return reply([], present)
+        # A cursor another process just handed out may take a moment to get here.
+        hold_until = loop.time() + HOLD_WAIT_S
+        while not feed.holds(after) and not feed.closed and loop.time() < hold_until:
+            await feed.changed(hold_until - loop.time())
+        cursor = after
         while True:
-            page, dropped = feed.page(cursor, limit)
-            gap = gap or dropped
+            try:
+                page = feed.page(cursor, limit)
+            except NotHeld:
+                raise Unavailable(
+                    "this control plane does not hold that events cursor: ask again"
+                ) from None
             if page:
                 cursor = page[-1][0]
-                readable = await self.repo.readable_task_ids(user, [e["task_id"] for _, e in page])
-                visible = [dict(e, seq=n) for n, e in page if e["task_id"] in readable]
-                if visible:
-                    await self._with_devices(visible)
-                    return reply(visible, cursor, gap)
+                shown = [(n, e) for n, e in page if e is not None]
+                if shown:
+                    readable = await self.repo.readable_task_ids(
+                        user, list({e["task_id"] for _, e in shown})
+                    )
+                    visible = [dict(e, seq=n) for n, e in shown if e["task_id"] in readable]
+                    if visible:
+                        return reply(visible, cursor)
                 continue
             remaining = deadline - loop.time()
             if remaining <= 0 or feed.closed:
-                return reply([], cursor, gap)
-            await feed.wait(cursor, remaining)
-
-    async def _with_devices(self, events: list[dict[str, Any]]) -> None:
-        """Fill in the device of each event's attempt (the actors' events name
-        the host and the attempt number; the attempt's row names its device)."""
-        missing = [
-            (e["task_id"], e["attempt"])
-            for e in events
-            if e.get("device_id") is None and isinstance(e.get("attempt"), int)
-        ]
-        if not missing:
-            return
-        found = await self.reads.attempt_devices(missing)
-        for e in events:
-            if e.get("device_id") is None and isinstance(e.get("attempt"), int):
-                e["device_id"] = found.get((e["task_id"], e["attempt"]))
+                return reply([], cursor)
+            await feed.changed(remaining)
 
     async def logs(self, user: User, args: Any) -> dict[str, Any]:
         a = Args(args, ("id", "after_id", "limit"))

@@ -18,6 +18,9 @@ from fleetlease.ops.client import OpsError, task_events
 from fleetlease.ops.web.pages import Pages
 from fleetlease.ops.web.sessions import Session
 
+#: Queued by a gap in the feed: the page is told ``ready`` again.
+_GAP: dict[str, Any] = {}
+
 
 class LiveRoutes(Pages):
     """``/events``: a stream of the user's task events, or of one task's."""
@@ -41,16 +44,22 @@ class LiveRoutes(Pages):
     async def _stream(self, session: Session, only: str | None) -> AsyncIterator[str]:
         """``ready`` once subscribed, then ``task`` events (the allow-listed fields
         of ``ops.client.normalize_event``), a comment line when idle, and ``end``
-        when the console stops or the session's token stops being accepted."""
+        when the console stops or the session's token stops being accepted.
+        ``ready`` again after a gap in the feed (the page re-reads what it
+        shows, as after a reconnect)."""
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=10_000)
         client = await self.console.client(session)
         keepalive = self.console.settings.keepalive_s
 
         subscribed = asyncio.Event()
 
+        def on_gap() -> None:
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(_GAP)
+
         async def pump() -> None:
             try:
-                async for event in task_events(client, subscribed=subscribed):
+                async for event in task_events(client, subscribed=subscribed, on_gap=on_gap):
                     if only is None or event["task_id"] == only:
                         with contextlib.suppress(asyncio.QueueFull):
                             queue.put_nowait(event)
@@ -88,6 +97,9 @@ class LiveRoutes(Pages):
                 if event is None:
                     yield "event: end\ndata: {}\n\n"
                     return
+                if event is _GAP:
+                    yield "event: ready\ndata: {}\n\n"
+                    continue
                 yield f"event: task\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
         finally:
             for t in (pumping, closing):

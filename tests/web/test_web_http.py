@@ -307,6 +307,43 @@ async def test_the_event_stream_carries_changes_of_readable_tasks_only(
     assert set(changes[0]) == {"task_id", "state", "attempt", "host_id", "device_id", "at"}
 
 
+async def test_after_a_gap_in_the_feed_the_stream_says_ready_again(
+    system: System, web: WebUser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No control plane holds the stream's cursor any more (the only one lost
+    its listen connection): ``ready`` comes again (the page re-reads what it
+    shows) and the changes after it still arrive."""
+    import fleetlease.ops.client as client_module
+
+    monkeypatch.setattr(client_module, "EVENTS_RETRIES", 1)
+    alice = await owner_of_a_project(system, "alice")
+    assert (await web.sign_in("alice", alice)).status_code == 303
+    ready = asyncio.Event()
+    again = asyncio.Event()
+    mine: list[str] = []
+
+    def until(events: list[dict[str, object]]) -> bool:
+        readies = sum(1 for e in events if "ready" in e)
+        if readies >= 1:
+            ready.set()
+        if readies >= 2:
+            again.set()
+        return bool(mine) and any(e.get("task_id") == mine[0] for e in events)
+
+    stream = asyncio.create_task(web.events("/events", until))
+    await asyncio.wait_for(ready.wait(), 30)
+    service = system.service
+    assert service.engine is not None
+    async with service.engine.connect() as conn:
+        await conn.execute(
+            sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": service.ops.stream.backend_pid}
+        )
+    await asyncio.wait_for(again.wait(), 30)
+    mine.append(await system.submit(alice, "--goal", "after the gap", "--project", "alice"))
+    seen = await asyncio.wait_for(stream, 30)
+    assert (mine[0], "queued") in [(e.get("task_id"), e.get("state")) for e in seen]
+
+
 # --- behind a secured broker: each session connects as its own user --------------------------
 
 
