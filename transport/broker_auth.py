@@ -126,7 +126,7 @@ DEFAULT_CALLOUT_TIMEOUT_S = 5.0
 _UNDECIDED_GRACE_S = 2.0
 #: How many connections the callout service subscribes through, each to a
 #: different member of a NATS cluster when several are listed.
-DEFAULT_CALLOUT_CONNECTIONS = 2
+DEFAULT_CALLOUT_CONNECTIONS = 3
 _UNDECIDED_POLL_S = 0.02
 #: One CONNZ page large enough for every connection: one consistent snapshot
 #: (offset paging would skip entries when earlier connections close between pages).
