@@ -63,6 +63,9 @@ DEFAULT_ROUTE_PORT = 6222
 _ROUTE_AUTH_TIMEOUT_S = 5.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 _SECRET = re.compile(r"[0-9a-f]{64}")
+#: A well-formed route secret that is nobody's, to check a spec before the real
+#: one is read or created.
+PLACEHOLDER_SECRET = "0" * 64
 _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 
 

@@ -6,6 +6,7 @@ control plane's broker keys in ``<state dir>/broker/``. ``serve
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -92,31 +93,36 @@ def cmd_broker_config(args: argparse.Namespace) -> int:
     settings = from_args(args)
     out = Path(args.out)
     try:
+        # Everything is checked before anything is created or written.
         tls = _tls(args)
         if tls is not None:
             tls.render()  # the files exist
+        listen = bc.listen_block(args.listen, args.port, args.store_dir)
+        subjects = Subjects(settings.prefix)
+        spec = None
+        if args.cluster:
+            spec = bc.ClusterSpec(
+                members=bc.parse_members(args.cluster),
+                route_secret=bc.PLACEHOLDER_SECRET,
+                name=args.cluster_name,
+                listen_host=args.listen,
+                client_port=args.port,
+                store_dir=args.store_dir,
+                tls=tls,
+            )
+            if out.exists() and not out.is_dir():
+                raise CliError(f"--out {out}: with --cluster, a directory", EXIT_USAGE)
+        elif out.is_dir():
+            raise CliError(f"--out {out} is a directory; name the config file", EXIT_USAGE)
         state = ensure_state_dir(settings.state_dir)
         keys = BrokerKeys.load_or_create(state / "broker")
-        subjects = Subjects(settings.prefix)
-        if not args.cluster:
-            text = secure_config(keys, tls=tls, subjects=subjects)
-            text += bc.listen_block(args.listen, args.port, args.store_dir)
-            path = write_config(out, text)
+        if spec is None:
+            path = write_config(out, secure_config(keys, tls=tls, subjects=subjects) + listen)
             print(f"wrote {path}")
             print(f"run: nats-server -c {path}")
             print(f"then: fleetlease serve --broker-security --state-dir {state} --nats-url URL")
             return EXIT_OK
-        spec = bc.ClusterSpec(
-            members=bc.parse_members(args.cluster),
-            route_secret=bc.load_or_create_route_secret(state / "broker"),
-            name=args.cluster_name,
-            listen_host=args.listen,
-            client_port=args.port,
-            store_dir=args.store_dir,
-            tls=tls,
-        )
-        if out.exists() and not out.is_dir():
-            raise CliError(f"--out {out}: with --cluster, a directory", EXIT_USAGE)
+        spec = replace(spec, route_secret=bc.load_or_create_route_secret(state / "broker"))
         out.mkdir(mode=0o700, parents=True, exist_ok=True)
         for name, text in bc.cluster_configs(keys, spec, subjects=subjects).items():
             path = write_config(out / f"{name}.conf", text)
