@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import ssl
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -28,24 +29,35 @@ from typing import Any
 
 import nats
 import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fleetlease.ops.client import OpsClient
 from fleetlease.ops.embedded import EmbeddedError, EmbeddedNats, free_port, nats_server_binary
 from fleetlease.ops.service import ControlPlaneService
 from fleetlease.persistence.model import LeaseTimings
-from fleetlease.transport.broker_auth import host_connect_options
+from fleetlease.transport.broker_auth import (
+    BrokerAuthService,
+    SqlCredentialStore,
+    host_connect_options,
+)
 from fleetlease.transport.broker_cluster import (
     ClusterSpec,
     Member,
     cluster_configs,
     load_or_create_route_secret,
 )
-from fleetlease.transport.broker_config import BrokerKeys, write_config
+from fleetlease.transport.broker_config import BrokerKeys, TlsFiles, write_config
 from fleetlease.transport.staging import StagingLimits
 from fleetlease.transport.subjects import Subjects
 from tests.integration.test_agent import System, eventually
 from tests.integration.test_agent_process import Processes
-from tests.integration.test_broker_security import Conn, connect, refused
+from tests.integration.test_broker_security import (
+    Conn,
+    add_host,
+    connect,
+    refused,
+    revoke,
+)
 from tests.integration.test_nats_cluster import Node, _cluster_ready, _node_of
 
 pytestmark = [pytest.mark.embedded, pytest.mark.timeout(180)]
@@ -64,14 +76,42 @@ def _collect_garbage() -> Iterator[None]:
     gc.collect()
 
 
-@pytest.fixture
-def secure_cluster(tmp_path: Path, state_dir: Path, subject_prefix: str) -> Iterator[list[Node]]:
-    """Three members on loopback running the generated secured configs for the
-    keys the control plane of ``state_dir/server`` uses."""
+def start_members(
+    tmp_path: Path, keys: BrokerKeys, spec: ClusterSpec, subjects: Subjects
+) -> list[Node]:
+    """Every member of ``spec`` as a nats-server process running its generated
+    config; the command line's -a/-p (``EmbeddedNats``) give each its own
+    client port on loopback. The caller stops them (also on failure: the
+    nodes started so far are in the list as they start)."""
+    nodes: list[Node] = []
+    for name, text in cluster_configs(keys, spec, subjects=subjects).items():
+        path = write_config(tmp_path / "conf" / f"{name}.conf", text)
+        http_port = free_port()
+        server = EmbeddedNats(
+            tmp_path / f"nats-{name}", extra_args=["-c", str(path), "-m", str(http_port)]
+        )
+        nodes.append(Node(name, server, http_port))
+        try:
+            server.start()
+        except BaseException:
+            for node in nodes:
+                node.server.stop()
+            raise
+    return nodes
+
+
+def _need_binary() -> None:
     try:
         nats_server_binary()
     except EmbeddedError as exc:
         pytest.skip(f"no nats-server binary for a cluster: {exc}")
+
+
+@pytest.fixture
+def secure_cluster(tmp_path: Path, state_dir: Path, subject_prefix: str) -> Iterator[list[Node]]:
+    """Three members on loopback running the generated secured configs for the
+    keys the control plane of ``state_dir/server`` uses."""
+    _need_binary()
     broker_dir = state_dir / "server" / "broker"
     keys = BrokerKeys.load_or_create(broker_dir)
     spec = ClusterSpec(
@@ -80,19 +120,8 @@ def secure_cluster(tmp_path: Path, state_dir: Path, subject_prefix: str) -> Iter
         name="fleetlease-secure-test",
         listen_host="127.0.0.1",
     )
-    configs = cluster_configs(keys, spec, subjects=Subjects(subject_prefix))
-    nodes: list[Node] = []
+    nodes = start_members(tmp_path, keys, spec, Subjects(subject_prefix))
     try:
-        for name, text in configs.items():
-            path = write_config(tmp_path / "conf" / f"{name}.conf", text)
-            http_port = free_port()
-            # The command line's -a/-p (EmbeddedNats) give each member its own
-            # client port on loopback; everything else is the generated config.
-            server = EmbeddedNats(
-                tmp_path / f"nats-{name}", extra_args=["-c", str(path), "-m", str(http_port)]
-            )
-            nodes.append(Node(name, server, http_port))
-            server.start()
         yield nodes
     finally:
         for node in nodes:
@@ -289,3 +318,107 @@ def test_the_generated_member_configs_are_valid_for_nats_server(tmp_path: Path) 
         assert out.returncode == 0, out.stderr
         assert spec.route_secret in text
         assert json.dumps(name) in text
+
+
+# -- routes over mutual TLS; revocation by a control plane that did not authorize ------------
+
+
+def _make_pki(d: Path) -> tuple[Path, TlsFiles]:
+    """A throwaway CA and one certificate for 127.0.0.1 good for both ends of a
+    TLS connection (a member is the client of the routes it opens)."""
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    d.mkdir(parents=True, exist_ok=True)
+    ca_key, ca_crt = d / "ca.key", d / "ca.crt"
+    key, csr, crt, ext = d / "node.key", d / "node.csr", d / "node.crt", d / "ext.cnf"
+    new_key = ["-newkey", "rsa:2048", "-nodes"]
+    run("req", "-x509", *new_key, "-days", "2", "-subj", "/CN=fleetlease test CA",
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign",
+        "-keyout", str(ca_key), "-out", str(ca_crt))  # fmt: skip
+    run("req", *new_key, "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(csr))
+    ext.write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
+    )
+    run("x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key),
+        "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(crt))  # fmt: skip
+    return ca_crt, TlsFiles(cert_file=crt, key_file=key, ca_file=ca_crt)
+
+
+async def test_tls_routes_and_a_revocation_by_a_control_plane_that_authorized_nothing(
+    tmp_path: Path, engine: AsyncEngine, subject_prefix: str
+) -> None:
+    """Members route to each other over mutual TLS only (a route without the
+    CA's certificate gets no cluster). A control plane started after the
+    host's connections were authorized (a restarted ``serve``: it never saw
+    their logins) still finds and kicks them on every member."""
+    _need_binary()
+    ca, files = await asyncio.to_thread(_make_pki, tmp_path / "pki")
+    keys = BrokerKeys.load_or_create(tmp_path / "broker")
+    spec = ClusterSpec(
+        members=tuple(Member(name, "127.0.0.1", free_port()) for name in ("t1", "t2", "t3")),
+        route_secret=load_or_create_route_secret(tmp_path / "broker"),
+        listen_host="127.0.0.1",
+        tls=files,
+    )
+    subjects = Subjects(subject_prefix)
+    nodes = await asyncio.to_thread(start_members, tmp_path, keys, spec, subjects)
+    client_tls = ssl.create_default_context(cafile=str(ca))
+    store = SqlCredentialStore(engine)
+
+    def service(url: str) -> BrokerAuthService:
+        return BrokerAuthService(
+            nats_url=url,
+            store=store,
+            issuer_seed=keys.issuer_seed,
+            service_seed=keys.callout_seed,
+            system_seed=keys.system_seed,
+            subjects=subjects,
+            connect_options={"tls": client_tls},
+        )
+
+    try:
+        await _routes_up(nodes)
+        for node in nodes:
+            cluster = (await node.amonitor("/varz"))["cluster"]
+            assert cluster["tls_required"] and cluster["tls_verify"], cluster
+        credential = await add_host(engine, "h-t")
+        first = await service(",".join(n.url for n in nodes)).start()
+        conns: list[Conn] = []
+        try:
+            for node in nodes:
+                conns.append(
+                    await connect(
+                        node.url, tls=client_tls, **host_connect_options("h-t", credential)
+                    )
+                )
+        finally:
+            await first.stop()
+
+        # A new control plane, on one member only, that authorized none of them.
+        second = await service(nodes[0].url).start()
+        try:
+            await revoke(engine, "h-t")
+            assert await second.disconnect_host("h-t") == 3
+            for conn in conns:
+                await asyncio.wait_for(conn.disconnected.wait(), WAIT_S)
+            for node in nodes:
+                assert await _principal_connections(node, "host:h-t") == 0
+                refusal = await refused(
+                    node.url, tls=client_tls, **host_connect_options("h-t", credential)
+                )
+                assert "authorization violation" in refusal.lower()
+        finally:
+            await second.stop()
+    finally:
+        for node in nodes:
+            await asyncio.to_thread(node.server.stop)
+
+
+async def _routes_up(nodes: list[Node]) -> None:
+    async def probe() -> list[int]:
+        return [int((await n.amonitor("/routez")).get("num_routes", 0)) for n in nodes]
+
+    await eventually(probe, lambda counts: all(c >= 2 for c in counts), timeout=WAIT_S)
