@@ -19,8 +19,8 @@ the agent's host ends the agent with exit code 7.
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
+import signal
 import ssl
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -63,17 +63,6 @@ from tests.integration.test_nats_cluster import Node, _cluster_ready, _node_of
 pytestmark = [pytest.mark.embedded, pytest.mark.timeout(180)]
 
 WAIT_S = 30.0
-
-
-@pytest.fixture(autouse=True)
-def _collect_garbage() -> Iterator[None]:
-    """After each test (and all its fixtures): the clients of refused and kicked
-    connects and the closed event loop leave objects whose finalizers run
-    Python code; collected later, inside pytest's ``ast.parse`` of a module,
-    they make CPython 3.11 raise "AST constructor recursion depth mismatch".
-    Collect them while nothing else runs."""
-    yield
-    gc.collect()
 
 
 def start_members(
@@ -422,3 +411,75 @@ async def _routes_up(nodes: list[Node]) -> None:
         return [int((await n.amonitor("/routez")).get("num_routes", 0)) for n in nodes]
 
     await eventually(probe, lambda counts: all(c >= 2 for c in counts), timeout=WAIT_S)
+
+
+# -- the operator's path: `broker config --cluster`, then `serve --broker-security` ------------
+
+
+async def test_the_operators_path_broker_config_then_serve_with_broker_security(
+    tmp_path: Path, db_url: str, subject_prefix: str
+) -> None:
+    """The members run the files ``fleetlease broker config --cluster`` wrote;
+    ``fleetlease serve --broker-security`` (a real process) serves their
+    callout: a host logs in on every member and is served, an anonymous
+    client is refused, and SIGTERM stops ``serve`` cleanly."""
+    from fleetlease.ops.cli import main
+    from fleetlease.persistence.db import create_engine
+    from fleetlease.persistence.repository import Repository
+    from fleetlease.transport import wire
+    from fleetlease.transport.client import HostClient
+    from tests.integration.test_serve import serve_args, spawn
+
+    _need_binary()
+    state, conf = tmp_path / "state", tmp_path / "conf"
+    members = {name: free_port() for name in ("m1", "m2", "m3")}
+    cluster = ",".join(f"{name}=127.0.0.1:{port}" for name, port in members.items())
+    argv = ["broker", "config", "--state-dir", str(state), "--prefix", subject_prefix]
+    argv += ["--out", str(conf), "--cluster", cluster, "--listen", "127.0.0.1"]
+    assert await asyncio.to_thread(main, argv) == 0
+    nodes: list[Node] = []
+    try:
+        for name in members:
+            http_port = free_port()
+            server = EmbeddedNats(
+                tmp_path / f"nats-{name}",
+                extra_args=["-c", str(conf / f"{name}.conf"), "-m", str(http_port)],
+            )
+            nodes.append(Node(name, server, http_port))
+            await asyncio.to_thread(server.start)
+        await _cluster_ready(nodes)
+        urls = ",".join(node.url for node in nodes)
+        serve = await spawn(
+            *serve_args(db_url, urls, subject_prefix, state),
+            "--broker-security", "--metrics", "off", "--js-replicas", "3",
+        )  # fmt: skip
+        try:
+            await serve.logged("server_started")
+            engine = create_engine(db_url, pool_size=2, max_overflow=0)
+            try:
+                credential = await Repository(engine).add_host("h-op")
+            finally:
+                await engine.dispose()
+            for node in nodes:
+                assert "authorization violation" in (await refused(node.url)).lower()
+                client = HostClient(
+                    nats_url=node.url,
+                    host_id="h-op",
+                    credential=credential,
+                    prefix=subject_prefix,
+                    connect_options=host_connect_options("h-op", credential),
+                )
+                await client.connect()
+                try:
+                    await client.register()
+                    await client.heartbeat([wire.Device(device_id="h-op-d0")])
+                finally:
+                    await client.close()
+            serve.proc.send_signal(signal.SIGTERM)
+            assert await serve.wait() == 0, "\n".join(serve.stderr[-20:])
+        finally:
+            serve.kill()
+            await serve.wait()
+    finally:
+        for node in nodes:
+            await asyncio.to_thread(node.server.stop)
