@@ -23,8 +23,10 @@ from fleetlease.ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError, 
 from fleetlease.ops.commands import retention
 from fleetlease.ops.commands.status import add_metrics_flag, metrics_from_args
 from fleetlease.ops.config import (
+    ENV_BROKER_SECURITY,
     ENV_JS_REPLICAS,
     ConfigError,
+    broker_security,
     ensure_state_dir,
     from_args,
     js_replicas,
@@ -98,7 +100,8 @@ def register(sub: Any) -> None:
         "--broker-security",
         action="store_true",
         help="the NATS of --nats-url runs the secured config of `fleetlease broker config` "
-        "for this state dir's broker keys: serve its auth callout (one server or a cluster)",
+        "for this state dir's broker keys: serve its auth callout (one server or a cluster; "
+        f"env {ENV_BROKER_SECURITY}=1)",
     )
     p.add_argument(
         "--js-replicas",
@@ -774,11 +777,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     retain_s = retention.retain_from_args(args)
     try:
         replicas = js_replicas(args.js_replicas)
+        secured = broker_security(args.broker_security) and bool(settings.nats_url)
     except ConfigError as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
     try:
         ensure_state_dir(settings.state_dir)
-        secured = bool(args.broker_security and settings.nats_url)
         asyncio.run(_serve_precheck(settings, connect_options=_broker_options(settings, secured)))
         with stop_signals() as stop, Services(settings, secured=secured) as services:
             print(

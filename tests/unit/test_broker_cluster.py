@@ -152,15 +152,36 @@ def test_broker_config_refuses_bad_input_and_writes_nothing(
     assert not (state / "broker").exists()
 
 
+SERVE = [
+    "serve",
+    "--nats-url",
+    "nats://127.0.0.1:1",
+    "--database-url",
+    "postgresql://x@127.0.0.1:1/x",
+]
+
+
+@pytest.mark.parametrize(("flag", "env"), [(True, None), (False, "1"), (False, "yes")])
 def test_serve_with_broker_security_needs_the_broker_keys(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    flag: bool,
+    env: str | None,
 ) -> None:
-    code = main(
-        [
-            "serve", "--broker-security", "--state-dir", str(tmp_path / "state"),
-            "--nats-url", "nats://127.0.0.1:1", "--database-url", "postgresql://x@127.0.0.1:1/x",
-        ]
-    )  # fmt: skip
+    if env is not None:
+        monkeypatch.setenv("FLEETLEASE_BROKER_SECURITY", env)
+    argv = [*SERVE, "--state-dir", str(tmp_path / "state")]
+    code = main([*argv, "--broker-security"] if flag else argv)
     assert code == 2
     assert "fleetlease broker config" in capsys.readouterr().err
     assert not (tmp_path / "state" / "broker").exists()
+
+
+def test_a_bad_broker_security_setting_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FLEETLEASE_BROKER_SECURITY", "maybe")
+    assert main([*SERVE, "--state-dir", str(tmp_path / "state")]) == 2
+    assert "FLEETLEASE_BROKER_SECURITY" in capsys.readouterr().err
+    assert not (tmp_path / "state").exists()
