@@ -124,10 +124,12 @@ DEFAULT_CALLOUT_TIMEOUT_S = 5.0
 #: Beyond the server's own callout timeout, how long a revocation keeps
 #: watching a connection that was waiting for its authorization.
 _UNDECIDED_GRACE_S = 2.0
-#: How many connections the callout service subscribes through, each to a
-#: different member of a NATS cluster when several are listed.
-DEFAULT_CALLOUT_CONNECTIONS = 3
 _UNDECIDED_POLL_S = 0.02
+#: How many connections the callout service subscribes through, each to a
+#: different member of a NATS cluster when several are listed: with one on
+#: each of three members, every member answers logins locally and the loss of
+#: any one leaves the others theirs.
+DEFAULT_CALLOUT_CONNECTIONS = 3
 #: One CONNZ page large enough for every connection: one consistent snapshot
 #: (offset paging would skip entries when earlier connections close between pages).
 _CONNZ_LIMIT = 1 << 24
@@ -652,35 +654,21 @@ class BrokerAuthService:
 
     # -- revocation ------------------------------------------------------------------
     async def disconnect(self, kind: Kind, name: str, timeout_s: float = 5.0) -> int:
-        """Kick every connection of a principal on every server this service has
-        seen, including logins that were being approved while the revocation
-        committed (see the module docstring); returns how many were kicked.
-        Call it after the revocation is durable, so that the reconnects are
-        refused. Returns once no connection of the principal can remain, at
-        most the server's callout timeout plus a grace later (in practice
-        milliseconds)."""
+        """Kick every connection of a principal on every server this service
+        knows (asked in parallel), including logins that were being approved
+        while the revocation committed (see the module docstring); returns how
+        many were kicked. Call it after the revocation is durable, so that the
+        reconnects are refused. Returns once no connection of the principal can
+        remain on a server that answers, at most the server's callout timeout
+        plus a grace later (in practice milliseconds)."""
         if self._sys is None:
             return 0
         wanted = identity(kind, name)
         started = time.monotonic()
-        kicked = 0
-        for server_id in await self._known_servers(timeout_s):
-            try:
-                kicked += await self._disconnect_on(server_id, wanted, timeout_s)
-            except NoRespondersError:
-                # The member is gone (nothing answers for it any more): so are
-                # its connections. A member that comes back has a new id.
-                self._server_ids.discard(server_id)
-                log.info("broker_server_gone", server_id=server_id)
-            except (TimeoutError, NatsError, BrokerAuthError) as exc:
-                # Unreachable but maybe alive (a partition): its connections
-                # of the principal end at their JWT's expiry at the latest.
-                log.warning(
-                    "broker_disconnect_incomplete",
-                    server_id=server_id,
-                    principal=wanted,
-                    error=str(exc) or type(exc).__name__,
-                )
+        servers = await self._known_servers(timeout_s)
+        kicked = sum(
+            await asyncio.gather(*(self._disconnect_from(s, wanted, timeout_s) for s in servers))
+        )
         log.info(
             "broker_disconnected",
             principal=wanted,
@@ -688,6 +676,26 @@ class BrokerAuthService:
             ms=round((time.monotonic() - started) * 1000),
         )
         return kicked
+
+    async def _disconnect_from(self, server_id: str, wanted: str, timeout_s: float) -> int:
+        """:meth:`_disconnect_on` one server, which may have died or be cut off."""
+        try:
+            return await self._disconnect_on(server_id, wanted, timeout_s)
+        except NoRespondersError:
+            # The member is gone (nothing answers for it any more): so are its
+            # connections. A member that comes back has a new id.
+            self._server_ids.discard(server_id)
+            log.info("broker_server_gone", server_id=server_id)
+        except (TimeoutError, NatsError, BrokerAuthError) as exc:
+            # Unreachable but maybe alive (a partition): its connections of the
+            # principal end at their JWT's expiry at the latest.
+            log.warning(
+                "broker_disconnect_incomplete",
+                server_id=server_id,
+                principal=wanted,
+                error=str(exc) or type(exc).__name__,
+            )
+        return 0
 
     async def _known_servers(self, timeout_s: float) -> list[str]:
         """Every server that may hold a connection of the fleet: those that
