@@ -6,6 +6,7 @@ control-plane nkeys) plus what makes it a member::
 
     server_name: n1                      # unique, JetStream's name for it
     listen: "0.0.0.0:4222"               # clients
+    ping_interval: "10s", ping_max: 3    # a silent member is dropped in ~30 s
     jetstream { store_dir: "..." }       # optional; else from the command line
     cluster {
       name: fleetlease
@@ -30,7 +31,12 @@ subscriptions the routes propagate, so the control plane's callout service
 answers logins on every member while connected to any of them. It holds a
 connection to more than one member (``BrokerAuthService``), so that the loss
 of one member never leaves the others without a callout while the service
-reconnects.
+reconnects. The server hands each request to any subscriber of the queue
+group, local or across a route: until the others drop a dead member's routes
+(at once when its process dies, within ``PING_INTERVAL_S * PING_MAX`` when its
+machine stops answering) some requests go to its callout connection, get no
+answer, and those logins are refused after the authorization timeout and
+retried by their clients.
 """
 
 from __future__ import annotations
@@ -59,6 +65,10 @@ ROUTE_USER = "route"
 DEFAULT_CLUSTER_NAME = "fleetlease"
 DEFAULT_CLIENT_PORT = 4222
 DEFAULT_ROUTE_PORT = 6222
+#: How often a member pings its routes and clients (seconds), and how many
+#: unanswered pings make it close the connection as stale.
+PING_INTERVAL_S = 10
+PING_MAX = 3
 #: Seconds a member gives an incoming route to authenticate.
 _ROUTE_AUTH_TIMEOUT_S = 5.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -230,11 +240,13 @@ def member_config(
     text = secure_config(
         keys, tls=spec.tls, auth_timeout_s=auth_timeout_s, server_name=me.name, subjects=subjects
     )
-    return (
-        text
-        + listen_block(spec.listen_host, spec.client_port, spec.store_dir)
-        + cluster_block(spec, me)
-    )
+    text += listen_block(spec.listen_host, spec.client_port, spec.store_dir)
+    # Routes (and clients) are pinged this often; a member that stops answering
+    # (a crash of its machine, a partition: no connection reset) is dropped by
+    # the others after ping_max missed pings, instead of after minutes, so that
+    # no login request is routed to its callout connection meanwhile.
+    text += f"ping_interval: {_q(f'{PING_INTERVAL_S}s')}\nping_max: {PING_MAX}\n"
+    return text + cluster_block(spec, me)
 
 
 def listen_block(host: str, port: int, store_dir: str | None = None) -> str:

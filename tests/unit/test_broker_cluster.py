@@ -79,6 +79,8 @@ def test_each_member_routes_to_the_others_with_the_route_secret(tmp_path: Path) 
         for other in spec.members:
             route = f"nats-route://route:{SECRET}@{other.route_address()}"
             assert (route in text) == (other.name != name), (name, other)
+        # A member that stops answering is dropped in seconds, not minutes.
+        assert 'ping_interval: "10s"' in text and "ping_max: 3" in text
         # The same accounts and callout issuer on every member.
         assert keys.issuer in text and "auth_callout" in text and "system_account: SYS" in text
     assert client_urls(spec) == "nats://h1:4222,nats://h2:4222,nats://h3:4222"
