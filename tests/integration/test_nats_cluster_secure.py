@@ -14,6 +14,12 @@ Then, through the survivors: a fresh host and a user log in; revoking a host
 (the ``host_revoke`` verb, as ``fleetlease host revoke`` sends it) kicks its
 connections on both surviving members and its reconnects are refused; revoking
 the agent's host ends the agent with exit code 7.
+
+Also: routes over mutual TLS, and a revocation by a control plane that
+authorized none of the host's connections (a restarted ``serve``); the
+operator's path (``broker config --cluster``, then ``serve --broker-security``
+as a process); a member frozen without closing anything (SIGSTOP) is dropped by
+the others, after which every login through them succeeds.
 """
 
 from __future__ import annotations
@@ -481,5 +487,64 @@ async def test_the_operators_path_broker_config_then_serve_with_broker_security(
             serve.kill()
             await serve.wait()
     finally:
+        for node in nodes:
+            await asyncio.to_thread(node.server.stop)
+
+
+# -- a member that stops answering without closing anything ------------------------------------
+
+
+async def test_a_frozen_member_is_dropped_and_logins_on_the_others_all_succeed(
+    tmp_path: Path, engine: AsyncEngine, subject_prefix: str
+) -> None:
+    """A member whose machine stops answering closes no connection (SIGSTOP
+    stands in for it). The others drop its routes after the generated configs'
+    missed pings, and from then on no login request is handed to its callout
+    connection: every login through a survivor succeeds at the first try."""
+    _need_binary()
+    keys = BrokerKeys.load_or_create(tmp_path / "broker")
+    spec = ClusterSpec(
+        members=tuple(Member(name, "127.0.0.1", free_port()) for name in ("f1", "f2", "f3")),
+        route_secret=load_or_create_route_secret(tmp_path / "broker"),
+        listen_host="127.0.0.1",
+    )
+    subjects = Subjects(subject_prefix)
+    nodes = await asyncio.to_thread(start_members, tmp_path, keys, spec, subjects)
+    frozen = nodes[2]
+    auth = BrokerAuthService(
+        nats_url=",".join(n.url for n in nodes),
+        store=SqlCredentialStore(engine),
+        issuer_seed=keys.issuer_seed,
+        service_seed=keys.callout_seed,
+        subjects=subjects,
+    )
+    try:
+        await _routes_up(nodes)
+        await auth.start()
+        for node in nodes:
+            assert await _named_on(node, "fleetlease-auth-callout"), node.name
+        credential = await add_host(engine, "h-f")
+        assert frozen.server.proc is not None
+        frozen.server.proc.send_signal(signal.SIGSTOP)
+        survivors = nodes[:2]
+
+        async def routes_to_frozen() -> int:
+            seen = 0
+            for node in survivors:
+                routez = await node.amonitor("/routez")
+                seen += sum(1 for r in routez.get("routes") or [] if r.get("remote_name") == "f3")
+            return seen
+
+        await eventually(routes_to_frozen, lambda n: n == 0, timeout=90)
+        refused_before = auth.refused
+        for i in range(12):
+            node = survivors[i % 2]
+            conn = await connect(node.url, **host_connect_options("h-f", credential))
+            await conn.nc.close()
+        assert auth.refused == refused_before
+    finally:
+        if frozen.server.proc is not None and frozen.server.proc.poll() is None:
+            frozen.server.proc.send_signal(signal.SIGCONT)
+        await auth.stop()
         for node in nodes:
             await asyncio.to_thread(node.server.stop)
