@@ -53,10 +53,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--tls-ca",
         metavar="FILE",
-        help="the CA clients and members are checked against; routes then verify each other",
-    )
-    p.add_argument(
-        "--tls-verify", action="store_true", help="clients must present a certificate (mTLS)"
+        help="the CA of the members' certificates: routes then verify each other",
     )
     p.set_defaults(func=cmd_broker_config)
 
@@ -65,18 +62,16 @@ def _tls(args: argparse.Namespace) -> Any:
     from fleetlease.transport.broker_config import TlsFiles
 
     if not args.tls_cert and not args.tls_key:
-        if args.tls_ca or args.tls_verify:
-            raise CliError("--tls-ca and --tls-verify need --tls-cert and --tls-key", EXIT_USAGE)
+        if args.tls_ca:
+            raise CliError("--tls-ca needs --tls-cert and --tls-key", EXIT_USAGE)
         return None
     if not (args.tls_cert and args.tls_key):
         raise CliError("--tls-cert and --tls-key go together", EXIT_USAGE)
-    if args.tls_verify and not args.tls_ca:
-        raise CliError("--tls-verify needs --tls-ca", EXIT_USAGE)
+    # Clients are not asked for certificates: agents and the CLI present none.
     return TlsFiles(
         cert_file=Path(args.tls_cert).resolve(),
         key_file=Path(args.tls_key).resolve(),
         ca_file=Path(args.tls_ca).resolve() if args.tls_ca else None,
-        verify=args.tls_verify,
     )
 
 

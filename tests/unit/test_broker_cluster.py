@@ -141,7 +141,7 @@ def test_broker_config_writes_one_private_file_per_member(
         ["--port", "0"],
         ["--tls-cert", "/nonexistent.crt"],
         ["--tls-cert", "/nonexistent.crt", "--tls-key", "/nonexistent.key"],
-        ["--tls-verify"],
+        ["--tls-ca", "/nonexistent.ca"],
     ],
 )
 def test_broker_config_refuses_bad_input_and_writes_nothing(
