@@ -21,8 +21,8 @@ permissions: a server that completes a route is a full member of the broker.
 They therefore have their own credential, the **route secret** (32 random
 bytes, hex, ``<state dir>/broker/route.secret``, mode 0600), which every member
 requires of an incoming route and presents on its outgoing ones; with TLS files
-the routes are also encrypted and each side verifies the other's certificate
-against the CA. The generated configs hold that secret: they are written
+and a CA the routes are also encrypted and each side verifies the other's
+certificate against the CA. The generated configs hold that secret: they are written
 0600 and must be handled like the seeds.
 
 The auth callout works across the cluster: a member that receives a connect
@@ -71,12 +71,12 @@ PING_INTERVAL_S = 10
 PING_MAX = 3
 #: Seconds a member gives an incoming route to authenticate.
 _ROUTE_AUTH_TIMEOUT_S = 5.0
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 _SECRET = re.compile(r"[0-9a-f]{64}")
 #: A well-formed route secret that is nobody's, to check a spec before the real
 #: one is read or created.
 PLACEHOLDER_SECRET = "0" * 64
-_HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
+_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class Member:
     route_port: int = DEFAULT_ROUTE_PORT
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not _NAME.fullmatch(self.name):
             raise BrokerConfigError(
                 f"member name {self.name!r}: letters, digits, '-' and '_', at most 64"
             )
@@ -107,7 +107,7 @@ def _valid_host(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        return bool(_HOST.match(host))
+        return bool(_HOST.fullmatch(host))
     return True
 
 
@@ -180,7 +180,7 @@ class ClusterSpec:
     tls: TlsFiles | None = None
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not _NAME.fullmatch(self.name):
             raise BrokerConfigError(f"cluster name {self.name!r}: letters, digits, '-', '_'")
         if not _SECRET.fullmatch(self.route_secret):
             raise BrokerConfigError("the route secret is 64 hex characters")

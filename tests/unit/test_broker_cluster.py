@@ -50,6 +50,8 @@ def test_members_parse_with_the_default_route_port_and_ipv6() -> None:
         "n 1=a,n2=b",  # a name that is no token
         "n1=a b,n2=c",  # a host that is no host
         "n1=-a,n2=c",
+        "n\n1=a,n2=b",  # a line break in a name or a host
+        "n1=a\nb,n2=c",
     ],
 )
 def test_bad_members_are_refused(text: str) -> None:
