@@ -37,10 +37,14 @@ import nats
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from fleetlease.ops.cli import main
 from fleetlease.ops.client import OpsClient
 from fleetlease.ops.embedded import EmbeddedError, EmbeddedNats, free_port, nats_server_binary
 from fleetlease.ops.service import ControlPlaneService
+from fleetlease.persistence.db import create_engine
 from fleetlease.persistence.model import LeaseTimings
+from fleetlease.persistence.repository import Repository
+from fleetlease.transport import wire
 from fleetlease.transport.broker_auth import (
     BrokerAuthService,
     SqlCredentialStore,
@@ -53,6 +57,7 @@ from fleetlease.transport.broker_cluster import (
     load_or_create_route_secret,
 )
 from fleetlease.transport.broker_config import BrokerKeys, TlsFiles, write_config
+from fleetlease.transport.client import HostClient
 from fleetlease.transport.staging import StagingLimits
 from fleetlease.transport.subjects import Subjects
 from tests.integration.test_agent import System, eventually
@@ -65,6 +70,7 @@ from tests.integration.test_broker_security import (
     revoke,
 )
 from tests.integration.test_nats_cluster import Node, _cluster_ready, _node_of
+from tests.integration.test_serve import serve_args, spawn
 
 pytestmark = [pytest.mark.embedded, pytest.mark.timeout(180)]
 
@@ -429,13 +435,6 @@ async def test_the_operators_path_broker_config_then_serve_with_broker_security(
     ``fleetlease serve --broker-security`` (a real process) serves their
     callout: a host logs in on every member and is served, an anonymous
     client is refused, and SIGTERM stops ``serve`` cleanly."""
-    from fleetlease.ops.cli import main
-    from fleetlease.persistence.db import create_engine
-    from fleetlease.persistence.repository import Repository
-    from fleetlease.transport import wire
-    from fleetlease.transport.client import HostClient
-    from tests.integration.test_serve import serve_args, spawn
-
     _need_binary()
     state, conf = tmp_path / "state", tmp_path / "conf"
     members = {name: free_port() for name in ("m1", "m2", "m3")}
