@@ -189,3 +189,18 @@ def test_a_bad_broker_security_setting_is_a_usage_error(
     assert main([*SERVE, "--state-dir", str(tmp_path / "state")]) == 2
     assert "FLEETLEASE_BROKER_SECURITY" in capsys.readouterr().err
     assert not (tmp_path / "state").exists()
+
+
+def test_broker_config_without_cluster_writes_one_server_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state, out = tmp_path / "state", tmp_path / "nats.conf"
+    argv = ["broker", "config", "--state-dir", str(state), "--out", str(out)]
+    assert main([*argv, "--listen", "10.0.0.5", "--store-dir", "/var/lib/nats"]) == 0
+    text = out.read_text()
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
+    assert 'listen: "10.0.0.5:4222"' in text and '"/var/lib/nats"' in text
+    assert "auth_callout" in text and "cluster {" not in text
+    assert BrokerKeys.load_or_create(state / "broker").issuer in text
+    assert not (state / "broker" / "route.secret").exists()
+    assert "--broker-security" in capsys.readouterr().out
