@@ -58,6 +58,7 @@ COMMAND_MODULES = [
     "fleetlease.ops.commands.soak",
     "fleetlease.ops.commands.status",
     "fleetlease.ops.commands.retention",
+    "fleetlease.ops.commands.broker",
 ]
 
 EPILOG = """exit codes:

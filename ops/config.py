@@ -16,6 +16,7 @@ ENV_PREFIX = "FLEETLEASE_PREFIX"
 ENV_TOKEN = "FLEETLEASE_TOKEN"
 ENV_USER = "FLEETLEASE_USER"
 ENV_JS_REPLICAS = "FLEETLEASE_JS_REPLICAS"
+ENV_BROKER_SECURITY = "FLEETLEASE_BROKER_SECURITY"
 DEFAULT_PREFIX = "fleetlease"
 
 
@@ -134,3 +135,22 @@ def js_replicas(flag: int | str | None, env: Any = None) -> int:
     if not 1 <= value <= 5:
         raise ConfigError(f"--js-replicas must be an integer from 1 to 5, got {value}")
     return value
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def broker_security(flag: bool, env: Any = None) -> bool:
+    """``serve --broker-security``, else ``FLEETLEASE_BROKER_SECURITY`` (1, true,
+    yes, on; 0, false, no, off or empty), else off. Raises ``ConfigError`` on
+    any other value."""
+    if flag:
+        return True
+    text = (os.environ if env is None else env).get(ENV_BROKER_SECURITY)
+    value = (text or "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{ENV_BROKER_SECURITY} must be 1 or 0 (true/false), got {text!r}")

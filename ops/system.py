@@ -132,10 +132,13 @@ class Services:
     generated auth-callout config of ``transport.broker_config`` with the keys
     in ``<state dir>/broker``; the control plane on the same state dir must start
     with ``ControlPlaneService(broker_security=True)`` (``broker_security`` below
-    says so). A given ``--nats-url`` is used as its operator configured it."""
+    says so). A given ``--nats-url`` is used as its operator configured it, or,
+    with ``secured``, as one running the secure config of the state dir's keys
+    (``fleetlease broker config``), whose callout the control plane serves."""
 
     settings: Settings
     need_nats: bool = True
+    secured: bool = False
     database_url: str = ""
     nats_url: str = ""
     pg: EmbeddedPostgres | None = None
@@ -174,12 +177,13 @@ class Services:
 
     @property
     def broker_security(self) -> bool:
-        """Whether the NATS in use is the embedded, secured one."""
-        return self.nats is not None
+        """Whether the NATS in use is secured: the embedded one, or a given one
+        said to run the secure config."""
+        return self.nats is not None or (self.secured and bool(self.nats_url))
 
     def control_plane_connect_options(self) -> dict[str, Any]:
-        """How the control plane connects: its nkey on the embedded secured
-        server, nothing special on a given one."""
+        """How the control plane connects: its nkey on a secured server,
+        nothing special on an open one."""
         if not self.broker_security:
             return {}
         from fleetlease.transport.broker_config import BrokerKeys

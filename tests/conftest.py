@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import gc
 import json
 import os
 import re
@@ -42,6 +43,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "soak" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Collect the last test's garbage before the terminal summary: objects
+    whose finalizers report (unclosed transports, pending tasks of a closed
+    event loop) would otherwise run inside the ``ast.parse`` of a plugin's
+    late import, where CPython 3.11 raises "AST constructor recursion depth
+    mismatch" and the session ends with an internal error."""
+    gc.collect()
 
 
 def run_async(fn: Callable[[], Awaitable[T]]) -> T:

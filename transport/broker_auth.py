@@ -49,7 +49,13 @@ below. Clients reconnect through an expiry with
 Revocation: :meth:`BrokerAuthService.disconnect`, called once the revocation is
 committed, asks every known server (``$SYS.REQ.SERVER.<id>.CONNZ``) for the
 principal's connections and kicks them (``$SYS.REQ.SERVER.<id>.KICK``); their
-reconnects come back through the callout, which refuses them. A login racing
+reconnects come back through the callout, which refuses them. On a NATS
+cluster the known servers are every member that sent an authorization request
+and every member the system connection's server routes to (``ROUTEZ``), so a
+connection is kicked whichever member it is on, also one authorized before
+this process started; a member that no longer answers is skipped (its
+connections died with it), one that is cut off but alive keeps them until
+their JWT expires. A login racing
 the revocation can have been approved from a read made just before the commit
 while its connection still waits for the server to apply the approval: the
 server lists such a connection without its name (2.15 shows a token user as
@@ -80,6 +86,8 @@ import nacl.exceptions
 import nacl.signing
 import nkeys
 import structlog
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 
 from fleetlease.persistence.credentials import SqlCredentialStore as SqlCredentialStore
 from fleetlease.persistence.secrets import hash_secret
@@ -117,6 +125,11 @@ DEFAULT_CALLOUT_TIMEOUT_S = 5.0
 #: watching a connection that was waiting for its authorization.
 _UNDECIDED_GRACE_S = 2.0
 _UNDECIDED_POLL_S = 0.02
+#: How many connections the callout service subscribes through, each to a
+#: different member of a NATS cluster when several are listed: with one on
+#: each of three members, every member answers logins locally and the loss of
+#: any one leaves the others theirs.
+DEFAULT_CALLOUT_CONNECTIONS = 3
 #: One CONNZ page large enough for every connection: one consistent snapshot
 #: (offset paging would skip entries when earlier connections close between pages).
 _CONNZ_LIMIT = 1 << 24
@@ -435,7 +448,11 @@ class BrokerAuthService:
     expire; not advised, a missed kick would then last forever).
     ``callout_timeout_s``: the server's authorization timeout (the generated
     config's ``authorization { timeout }``), which bounds how long a revocation
-    watches logins that were in flight."""
+    watches logins that were in flight.
+    ``callout_connections``: on a NATS cluster (several URLs in ``nats_url``),
+    how many members the callout subscribes through at once (each connection
+    tries its own member first); the server hands each request to one of them.
+    """
 
     def __init__(
         self,
@@ -449,7 +466,10 @@ class BrokerAuthService:
         jwt_expires_s: float | None = DEFAULT_JWT_EXPIRES_S,
         callout_timeout_s: float = DEFAULT_CALLOUT_TIMEOUT_S,
         connect_options: dict[str, Any] | None = None,
+        callout_connections: int = DEFAULT_CALLOUT_CONNECTIONS,
     ) -> None:
+        if callout_connections < 1:
+            raise ValueError(f"callout_connections must be >= 1, got {callout_connections!r}")
         if jwt_expires_s is not None and not (
             math.isfinite(jwt_expires_s) and jwt_expires_s >= 1.0
         ):
@@ -466,14 +486,17 @@ class BrokerAuthService:
         self.jwt_expires_s = jwt_expires_s
         self.callout_timeout_s = callout_timeout_s
         self._connect_options = dict(connect_options or {})
-        self._nc: NatsClient | None = None
+        self.callout_connections = callout_connections
+        self._callouts: list[NatsClient] = []
         self._sys: NatsClient | None = None
         self._server_ids: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.granted = 0
         self.refused = 0
 
-    async def _connect(self, seed: str, name: str) -> NatsClient:
+    async def _connect(
+        self, seed: str, name: str, servers: str | list[str], **extra: Any
+    ) -> NatsClient:
         import nats
 
         async def on_error(exc: Exception) -> None:
@@ -486,33 +509,55 @@ class BrokerAuthService:
             "reconnect_time_wait": 0.5,
             "error_cb": on_error,
         }
+        opts.update(extra)
         opts.update(self._connect_options)
-        return await nats.connect(server_list(self.nats_url), **opts)
+        return await nats.connect(servers, **opts)
+
+    def _callout_servers(self) -> list[str | list[str]]:
+        """The server list of each callout connection: one per listed cluster
+        member, up to :attr:`callout_connections`, each trying its own member
+        first (the others after it, in order), so that the loss of one member
+        leaves the callout subscribed through another."""
+        servers = server_list(self.nats_url)
+        if isinstance(servers, str):
+            return [servers]
+        count = max(1, min(self.callout_connections, len(servers)))
+        return [servers[i:] + servers[:i] for i in range(count)]
 
     async def start(self) -> BrokerAuthService:
         try:
-            self._nc = await self._connect(self._service_seed, "fleetlease-auth-callout")
-            await self._nc.subscribe(AUTH_CALLOUT_SUBJECT, queue=AUTH_QUEUE, cb=self._on_request)
-            await self._nc.flush()
+            lists = self._callout_servers()
+            for i, servers in enumerate(lists):
+                suffix = f"-{i + 1}" if len(lists) > 1 else ""
+                opts = {"dont_randomize": True} if isinstance(servers, list) else {}
+                nc = await self._connect(
+                    self._service_seed, f"fleetlease-auth-callout{suffix}", servers, **opts
+                )
+                self._callouts.append(nc)
+                await nc.subscribe(AUTH_CALLOUT_SUBJECT, queue=AUTH_QUEUE, cb=self._on_request)
+                await nc.flush()
             if self._system_seed is not None:
-                self._sys = await self._connect(self._system_seed, "fleetlease-auth-system")
+                self._sys = await self._connect(
+                    self._system_seed, "fleetlease-auth-system", server_list(self.nats_url)
+                )
                 server_id = self._sys._server_info.get("server_id")
                 if isinstance(server_id, str):
                     self._server_ids.add(server_id)
         except BaseException:
             await self.stop()
             raise
-        log.info("broker_auth_started", issuer=self.issuer)
+        log.info("broker_auth_started", issuer=self.issuer, callout_connections=len(self._callouts))
         return self
 
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        for nc in (self._nc, self._sys):
+        for nc in (*self._callouts, self._sys):
             if nc is not None:
                 with contextlib.suppress(Exception):
                     await nc.drain()
-        self._nc = self._sys = None
+        self._callouts = []
+        self._sys = None
 
     async def __aenter__(self) -> BrokerAuthService:
         return await self.start()
@@ -609,20 +654,21 @@ class BrokerAuthService:
 
     # -- revocation ------------------------------------------------------------------
     async def disconnect(self, kind: Kind, name: str, timeout_s: float = 5.0) -> int:
-        """Kick every connection of a principal on every server this service has
-        seen, including logins that were being approved while the revocation
-        committed (see the module docstring); returns how many were kicked.
-        Call it after the revocation is durable, so that the reconnects are
-        refused. Returns once no connection of the principal can remain, at
-        most the server's callout timeout plus a grace later (in practice
-        milliseconds)."""
+        """Kick every connection of a principal on every server this service
+        knows (asked in parallel), including logins that were being approved
+        while the revocation committed (see the module docstring); returns how
+        many were kicked. Call it after the revocation is durable, so that the
+        reconnects are refused. Returns once no connection of the principal can
+        remain on a server that answers, at most the server's callout timeout
+        plus a grace later (in practice milliseconds)."""
         if self._sys is None:
             return 0
         wanted = identity(kind, name)
         started = time.monotonic()
-        kicked = 0
-        for server_id in sorted(self._server_ids):
-            kicked += await self._disconnect_on(server_id, wanted, timeout_s)
+        servers = await self._known_servers(timeout_s)
+        kicked = sum(
+            await asyncio.gather(*(self._disconnect_from(s, wanted, timeout_s) for s in servers))
+        )
         log.info(
             "broker_disconnected",
             principal=wanted,
@@ -630,6 +676,49 @@ class BrokerAuthService:
             ms=round((time.monotonic() - started) * 1000),
         )
         return kicked
+
+    async def _disconnect_from(self, server_id: str, wanted: str, timeout_s: float) -> int:
+        """:meth:`_disconnect_on` one server, which may have died or be cut off."""
+        try:
+            return await self._disconnect_on(server_id, wanted, timeout_s)
+        except NoRespondersError:
+            # The member is gone (nothing answers for it any more): so are its
+            # connections. A member that comes back has a new id.
+            self._server_ids.discard(server_id)
+            log.info("broker_server_gone", server_id=server_id)
+        except (TimeoutError, NatsError, BrokerAuthError) as exc:
+            # Unreachable but maybe alive (a partition): its connections of the
+            # principal end at their JWT's expiry at the latest.
+            log.warning(
+                "broker_disconnect_incomplete",
+                server_id=server_id,
+                principal=wanted,
+                error=str(exc) or type(exc).__name__,
+            )
+        return 0
+
+    async def _known_servers(self, timeout_s: float) -> list[str]:
+        """Every server that may hold a connection of the fleet: those that
+        asked the callout, the one the system connection is on now and, on a
+        cluster, every member that one routes to (connections authorized
+        before this process started live there too)."""
+        assert self._sys is not None
+        here = self._sys._server_info.get("server_id")
+        if isinstance(here, str):
+            self._server_ids.add(here)
+            try:
+                reply = await self._sys.request(
+                    f"$SYS.REQ.SERVER.{here}.ROUTEZ", b"{}", timeout=timeout_s
+                )
+                routes = (json.loads(reply.data or b"{}").get("data") or {}).get("routes") or []
+            except (TimeoutError, NatsError, ValueError) as exc:
+                log.warning("broker_routez_failed", error=str(exc) or type(exc).__name__)
+                routes = []
+            for route in routes:
+                remote = route.get("remote_id") if isinstance(route, dict) else None
+                if isinstance(remote, str) and remote:
+                    self._server_ids.add(remote)
+        return sorted(self._server_ids)
 
     async def disconnect_host(self, host_id: str, timeout_s: float = 5.0) -> int:
         return await self.disconnect("host", host_id, timeout_s)

@@ -27,7 +27,9 @@ request subject and so never answers a client.
 
 Production: add TLS (:class:`TlsFiles`; clients then use ``tls://`` URLs and an
 ``ssl.SSLContext`` trusting the CA) and bind to the interface the hosts reach.
-The embedded default stays on 127.0.0.1 without TLS.
+The embedded default stays on 127.0.0.1 without TLS. A NATS cluster's members
+run this same config plus their place in the cluster
+(``transport/broker_cluster.py``); ``fleetlease broker config`` writes either.
 
 Fallback for servers older than 2.10 (no auth callout): :func:`fallback_config`
 lists every principal as an nkey user with its permissions inline, generated

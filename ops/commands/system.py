@@ -23,8 +23,10 @@ from fleetlease.ops.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError, 
 from fleetlease.ops.commands import retention
 from fleetlease.ops.commands.status import add_metrics_flag, metrics_from_args
 from fleetlease.ops.config import (
+    ENV_BROKER_SECURITY,
     ENV_JS_REPLICAS,
     ConfigError,
+    broker_security,
     ensure_state_dir,
     from_args,
     js_replicas,
@@ -93,6 +95,13 @@ def register(sub: Any) -> None:
         default=300.0,
         help="secured broker: lifetime of the NATS authorizations the callout issues; "
         "every connection re-proves its host or user this often (default 300)",
+    )
+    p.add_argument(
+        "--broker-security",
+        action="store_true",
+        help="the NATS of --nats-url runs the secured config of `fleetlease broker config` "
+        "for this state dir's broker keys: serve its auth callout (one server or a cluster; "
+        f"env {ENV_BROKER_SECURITY}=1)",
     )
     p.add_argument(
         "--js-replicas",
@@ -720,7 +729,9 @@ def _usage_error(message: str) -> CliError:
     return CliError(message, EXIT_USAGE)
 
 
-async def _serve_precheck(settings: Any, timeout: float = 10.0) -> None:
+async def _serve_precheck(
+    settings: Any, timeout: float = 10.0, connect_options: dict[str, Any] | None = None
+) -> None:
     """Reachability of the given servers, bounded: nats-py keeps retrying a
     refused first connect, so ``check_nats`` alone can wait forever."""
     from fleetlease.ops.system import check_nats
@@ -729,9 +740,32 @@ async def _serve_precheck(settings: Any, timeout: float = 10.0) -> None:
         await check_database(settings.database_url)
     if settings.nats_url:
         try:
-            await asyncio.wait_for(check_nats(settings.nats_url, timeout=5.0), timeout)
+            await asyncio.wait_for(
+                check_nats(settings.nats_url, timeout=5.0, connect_options=connect_options),
+                timeout,
+            )
         except TimeoutError:
             raise Unreachable(f"cannot reach NATS at {settings.nats_url}: timed out") from None
+
+
+def _broker_options(settings: Any, secured: bool) -> dict[str, Any] | None:
+    """The control plane's connect options on a secured broker it was given."""
+    if not secured:
+        return None
+    from fleetlease.transport.broker_config import BrokerConfigError, BrokerKeys
+
+    directory = settings.state_dir / "broker"
+    if not (directory / "issuer.nk").exists():
+        raise CliError(
+            f"--broker-security: no broker keys in {directory}; write the broker's config "
+            "with `fleetlease broker config` on this state dir (or copy its broker/ here)",
+            EXIT_USAGE,
+        )
+    try:
+        keys = BrokerKeys.load_or_create(directory)
+    except BrokerConfigError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from exc
+    return keys.control_plane_connect_options()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -743,12 +777,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     retain_s = retention.retain_from_args(args)
     try:
         replicas = js_replicas(args.js_replicas)
+        secured = broker_security(args.broker_security) and bool(settings.nats_url)
     except ConfigError as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
     try:
         ensure_state_dir(settings.state_dir)
-        asyncio.run(_serve_precheck(settings))
-        with stop_signals() as stop, Services(settings) as services:
+        asyncio.run(_serve_precheck(settings, connect_options=_broker_options(settings, secured)))
+        with stop_signals() as stop, Services(settings, secured=secured) as services:
             print(
                 f"fleetlease serve: PostgreSQL {redact(services.database_url)}, "
                 f"NATS {services.nats_url}, prefix {settings.prefix}, "
