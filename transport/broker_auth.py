@@ -91,7 +91,7 @@ from nats.errors import NoRespondersError
 
 from fleetlease.persistence.credentials import SqlCredentialStore as SqlCredentialStore
 from fleetlease.persistence.secrets import hash_secret
-from fleetlease.transport.nats_connect import server_list
+from fleetlease.transport.nats_connect import KEEPALIVE, server_list
 from fleetlease.transport.subjects import Subjects, is_valid_token
 
 if TYPE_CHECKING:
@@ -508,6 +508,7 @@ class BrokerAuthService:
             "max_reconnect_attempts": -1,
             "reconnect_time_wait": 0.5,
             "error_cb": on_error,
+            **KEEPALIVE,
         }
         opts.update(extra)
         opts.update(self._connect_options)

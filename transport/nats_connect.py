@@ -18,6 +18,13 @@ backoff loops, the CLI's idempotent retries).
 
 The client does this only when reconnecting is allowed (``allow_reconnect``);
 otherwise nats-py's own handling (close) applies.
+
+Every connection of the control plane, the agents and the CLI also pings its
+member every :data:`PING_INTERVAL_S` and drops it after
+:data:`MAX_OUTSTANDING_PINGS` unanswered pings (:data:`KEEPALIVE`): a member
+that froze without closing its sockets is left within about 15 s, well inside
+a lease, where nats-py's defaults (two minutes, two pings) would let leases
+expire first.
 """
 
 from __future__ import annotations
@@ -29,6 +36,16 @@ from nats import errors as nats_errors
 from nats.aio.client import Client as NatsClient
 
 log = structlog.get_logger("fleetlease.nats")
+
+#: Seconds between the client's pings to its member.
+PING_INTERVAL_S = 5
+#: Unanswered pings after which the client drops its member and reconnects.
+MAX_OUTSTANDING_PINGS = 2
+#: The keepalive options of every fleetlease connection (``nats.connect`` keywords).
+KEEPALIVE: dict[str, Any] = {
+    "ping_interval": PING_INTERVAL_S,
+    "max_outstanding_pings": MAX_OUTSTANDING_PINGS,
+}
 
 #: What the server says, lowercased as nats-py's parser hands it over.
 AUTH_EXPIRED = "user authentication expired"
@@ -64,5 +81,5 @@ async def connect(servers: str | list[str], **options: Any) -> NatsClient:
     """``nats.connect`` with a :class:`ReauthClient`; ``servers`` may be a
     comma-separated list of cluster members (see :func:`server_list`)."""
     nc = ReauthClient()
-    await nc.connect(server_list(servers), **options)
+    await nc.connect(server_list(servers), **{**KEEPALIVE, **options})
     return nc

@@ -51,7 +51,7 @@ from fleetlease.transport.broker_auth import ROLE_LIMITS
 from fleetlease.transport.clip import MAX_MESSAGE_CHARS, MAX_SUBJECT_CHARS, clip
 from fleetlease.transport.events import EventFanout
 from fleetlease.transport.host_handlers import HOST_VERBS, ControlPlaneLike, HostHandlers
-from fleetlease.transport.nats_connect import server_list
+from fleetlease.transport.nats_connect import KEEPALIVE, server_list
 from fleetlease.transport.ops_channel import OpsChannel, OpsHandler
 from fleetlease.transport.staging import StagingLimits
 from fleetlease.transport.subjects import Channel, Subjects, queue_group
@@ -323,6 +323,7 @@ class Server:
             "error_cb": on_error,
             "disconnected_cb": on_disconnect,
             "reconnected_cb": on_reconnect,
+            **KEEPALIVE,
         }
         opts.update(self._connect_options if options is None else options)
         return await nats.connect(server_list(self.nats_url), **opts)
