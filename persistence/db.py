@@ -1,24 +1,88 @@
-"""Engine creation and URL handling."""
+"""Engine creation and URL handling.
+
+A database URL names one server, or several in libpq's multi-host form
+(``postgresql://user@h1:5432,h2:5432/db?target_session_attrs=read-write``):
+each connection tries the hosts in order and keeps the first that matches
+``target_session_attrs`` (``read-write``: the primary). After a failover the
+pool is invalidated (:func:`invalidate_pool`) and new connections find the new
+primary. ``docs/operations.md`` has the supported topology."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
 
+from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+#: libpq's (and asyncpg's) values of ``target_session_attrs``.
+SESSION_ATTRS = frozenset(
+    {"any", "read-write", "read-only", "primary", "standby", "prefer-standby"}
+)
+DEFAULT_PORT = 5432
+
+#: SQLSTATEs after which a connection's server can no longer take this control
+#: plane's writes: a read-only transaction (a standby, or a demoted primary)
+#: and the server shutting down or crashing. Like a lost connection they
+#: invalidate the pool, so the next transactions reconnect and find the
+#: primary.
+SERVER_LOST_SQLSTATES = frozenset({"25006", "57P01", "57P02", "57P03"})
+
+
+def _multihost(url: str) -> str:
+    """libpq's multi-host form (``h1:p1,h2:p2`` in the authority) as
+    SQLAlchemy's asyncpg form (``?host=h1:p1&host=h2:p2``); anything else
+    unchanged. A host without a port gets 5432, as in libpq."""
+    parts = urlsplit(url)
+    userinfo, at, hostlist = parts.netloc.rpartition("@")
+    if "," not in hostlist:
+        return url
+    if any(q.partition("=")[0] in ("host", "port") for q in parts.query.split("&")):
+        raise ValueError("give the hosts either in the authority or as ?host=, not both")
+    hosts = []
+    for entry in hostlist.split(","):
+        if not entry:
+            raise ValueError("empty host in a multi-host database URL")
+        if entry.startswith("["):
+            raise ValueError(
+                "IPv6 addresses are not supported in a multi-host database URL: use host names"
+            )
+        host, colon, port = entry.partition(":")
+        if not host or (colon and not port.isdigit()):
+            raise ValueError(f"bad host:port {entry!r} in a multi-host database URL")
+        hosts.append(f"host={quote(host, safe='')}:{port or DEFAULT_PORT}")
+    query = "&".join(hosts + ([parts.query] if parts.query else []))
+    return urlunsplit((parts.scheme, userinfo + at, parts.path, query, parts.fragment))
 
 
 def async_url(url: str) -> str:
     """Accept ``postgresql://``, ``postgres://`` or ``postgresql+asyncpg://`` URLs
-    (including unix-socket ones, ``?host=/path``) and return the asyncpg form."""
+    (including unix-socket ones, ``?host=/path``, and libpq's multi-host form)
+    and return the asyncpg form. ``ValueError`` for an unusable one."""
     if url.startswith("postgres://"):
         url = "postgresql://" + url[len("postgres://") :]
-    u = make_url(url)
+    u = make_url(_multihost(url))
     if u.drivername in ("postgresql", "postgresql+psycopg2", "postgresql+psycopg"):
         u = u.set(drivername="postgresql+asyncpg")
     if u.drivername != "postgresql+asyncpg":
         raise ValueError(f"unsupported database URL scheme {u.drivername!r}: use postgresql://")
+    attrs = u.query.get("target_session_attrs")
+    if attrs is not None and (not isinstance(attrs, str) or attrs not in SESSION_ATTRS):
+        raise ValueError("target_session_attrs must be one of " + ", ".join(sorted(SESSION_ATTRS)))
     return u.render_as_string(hide_password=False)
+
+
+def _mark_server_lost(ctx: Any) -> None:
+    """``handle_error`` of the engine: a server that went read-only or is
+    shutting down counts as a disconnect, which invalidates the pool."""
+    orig = ctx.original_exception
+    state = getattr(orig, "sqlstate", None) or getattr(
+        getattr(orig, "__cause__", None), "sqlstate", None
+    )
+    if state in SERVER_LOST_SQLSTATES:
+        ctx.is_disconnect = True
 
 
 def create_engine(
@@ -35,18 +99,33 @@ def create_engine(
     connect_args = dict(kwargs.pop("connect_args", {}))
     server_settings = {"jit": "off", **connect_args.get("server_settings", {})}
     connect_args["server_settings"] = server_settings
-    return create_async_engine(
+    engine = create_async_engine(
         async_url(url),
         pool_size=pool_size,
         max_overflow=max_overflow,
         connect_args=connect_args,
         **kwargs,
     )
+    event.listen(engine.sync_engine, "handle_error", _mark_server_lost)
+    return engine
+
+
+def invalidate_pool(engine: AsyncEngine, connection: Any = None) -> None:
+    """Recycle, at their next checkout, every pooled connection made before the
+    one that failed (``connection``, a pool's connection, or None for all made
+    until now): what SQLAlchemy does itself on a disconnect, for failures it
+    does not see (the driver's own path). Connections made after it, to a
+    server that is up, are kept."""
+    pool = engine.sync_engine.pool
+    if connection is not None:
+        pool._invalidate(connection, None, _checkin=False)
+    else:
+        pool._invalidate_time = time.time()
 
 
 def redact(url: str) -> str:
     """The URL with any password hidden, for logs and messages."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        return make_url(_multihost(url)).render_as_string(hide_password=True)
     except Exception:
         return "<unparseable database URL>"
