@@ -8,6 +8,7 @@ URL with ``target_session_attrs=read-write`` and no read-write server is
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
 from typing import Any
@@ -119,3 +120,39 @@ async def test_read_write_with_no_read_write_server_is_unavailable_until_there_i
     finally:
         await engine.dispose()
         await admin.dispose()
+
+
+def multi_host(db_url: str, first: tuple[str, int], **query: str) -> str:
+    """``db_url`` with ``first`` tried before its own server."""
+    u = make_url(db_url)
+    own = u.query.get("host") or u.host
+    assert isinstance(own, str)
+    hosts = [f"{first[0]}:{first[1]}", f"{own}:{u.port or 5432}"]
+    return (
+        u.set(host=None, port=None)
+        .update_query_dict({"host": hosts, **query})
+        .render_as_string(hide_password=False)
+    )
+
+
+async def test_a_first_host_that_never_answers_costs_its_connect_timeout_only(
+    db_url: str,
+) -> None:
+    # A listening socket nobody accepts on: the handshake completes, the
+    # server's reply never comes (a failed primary whose address still takes
+    # connections, or drops them unanswered).
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = multi_host(
+            db_url,
+            silent.getsockname(),
+            connect_timeout="1",
+            target_session_attrs="read-write",
+        )
+        engine = create_engine(url, pool_size=1, max_overflow=0)
+        try:
+            await _driver_path(Repository(engine))
+            assert await backend_pid(engine) > 0
+        finally:
+            await engine.dispose()

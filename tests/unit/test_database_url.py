@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.engine import make_url
 
-from fleetlease.persistence.db import async_url, create_engine, redact
+from fleetlease.persistence.db import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    async_url,
+    connect_timeout,
+    create_engine,
+    redact,
+)
 
 
 def hosts(url: str) -> tuple[str, ...]:
@@ -58,6 +64,8 @@ def test_one_host_urls_are_unchanged() -> None:
         ("postgresql://fl@db1:x,db2/fleet", "bad host:port"),
         ("postgresql://fl@[::1]:5432,db2/fleet", "IPv6"),
         ("mysql://fl@db1/fleet", "unsupported"),
+        ("postgresql://fl@db1,db2/fleet?connect_timeout=0", "connect_timeout"),
+        ("postgresql://fl@db1,db2/fleet?connect_timeout=soon", "connect_timeout"),
     ],
 )
 def test_a_bad_url_is_refused_with_what_is_wrong(url: str, says: str) -> None:
@@ -69,3 +77,10 @@ def test_redact_hides_the_password_of_a_multi_host_url() -> None:
     shown = redact("postgresql://fl:s3cret@db1:5432,db2:5432/fleet?target_session_attrs=read-write")
     assert "s3cret" not in shown
     assert "db1" in shown and "db2" in shown
+
+
+def test_connect_timeout_is_per_host_seconds_and_left_out_of_the_driver_url() -> None:
+    url = "postgresql://fl@db1,db2/fleet?connect_timeout=2.5&target_session_attrs=read-write"
+    assert connect_timeout(url) == 2.5
+    assert "connect_timeout" not in make_url(async_url(url)).query
+    assert connect_timeout("postgresql://fl@db1/fleet") == DEFAULT_CONNECT_TIMEOUT_S
