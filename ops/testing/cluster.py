@@ -250,16 +250,17 @@ class Cluster:
         seed: int = 0,
         chaos: bool = False,
         replicated: bool = False,
+        synchronous: bool = True,
     ) -> None:
         self.directory = Path(directory)
         self.timings = timings or Timings()
         self.prefix = prefix
         self.seed = seed
-        #: ``replicated``: a primary and a synchronous standby on loopback
-        #: (``kill_primary``, ``promote_standby``), reached through a
+        #: ``replicated``: a primary and a standby (``synchronous`` or not) on
+        #: loopback (``kill_primary``, ``promote_standby``), reached through a
         #: multi-host URL; else one server on a unix socket.
         self.pg: EmbeddedPostgres | ReplicatedPostgres = (
-            ReplicatedPostgres(self.directory / "pg")
+            ReplicatedPostgres(self.directory / "pg", synchronous=synchronous)
             if replicated
             else EmbeddedPostgres(self.directory / "pg")
         )

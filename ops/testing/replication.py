@@ -146,8 +146,22 @@ class Node:
         for proc in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.send_signal(signal.SIGKILL)
-        psutil.wait_procs(procs, timeout=10)
+        self._wait_gone(procs, timeout=10.0)
         log.info("replication_node_killed", node=self.name, pid=pid)
+
+    @staticmethod
+    def _wait_gone(procs: list[psutil.Process], timeout: float) -> None:
+        """Until every process has exited (a zombie awaiting its reaper counts:
+        the server's processes are not our children)."""
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            while time.monotonic() < deadline:
+                try:
+                    if proc.status() == psutil.STATUS_ZOMBIE:
+                        break
+                except psutil.NoSuchProcess:
+                    break
+                time.sleep(0.01)  # polling a process's state; bounded by the deadline
 
     def promote(self) -> None:
         self.run([_bin("pg_ctl"), "-D", str(self.pgdata), "-w", "-t", "60", "promote"])
@@ -175,9 +189,14 @@ class ReplicatedPostgres:
     interface the fault suite's ``Cluster`` uses of an embedded server
     (``start``, ``url``, ``stop``) plus ``kill_primary`` and ``promote``."""
 
-    def __init__(self, directory: Path, *, database: str = "fleetlease") -> None:
+    def __init__(
+        self, directory: Path, *, database: str = "fleetlease", synchronous: bool = True
+    ) -> None:
         self.directory = Path(directory)
         self.database = database
+        #: False: the standby replicates asynchronously (a commit returns before
+        #: the standby has it), the topology that can lose acknowledged writes.
+        self.synchronous = synchronous
         self.primary = Node("primary", self.directory / "primary", free_port())
         self.standby = Node("standby", self.directory / "standby", free_port())
         self._started = False
@@ -214,9 +233,8 @@ class ReplicatedPostgres:
             ]
         )
         with open(primary.pgdata / "postgresql.conf", "a") as conf:
-            # A slot keeps the WAL the standby has not received yet; a short
-            # standby timeout makes the standby notice a dead primary.
-            conf.write("wal_level = replica\nmax_wal_senders = 4\nwal_sender_timeout = 5s\n")
+            # The defaults, written out: what streaming replication needs.
+            conf.write("wal_level = replica\nmax_wal_senders = 4\n")
         primary.start()
         standby.prepare_dir()
         standby.run(
@@ -239,21 +257,27 @@ class ReplicatedPostgres:
         standby.start()
         streaming = "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'"
         self._wait(lambda: primary.psql(streaming) == "1", "the standby streaming")
-        # Synchronous from now on: set on the primary only, so the standby,
-        # once promoted, takes writes without waiting for a standby of its own.
-        primary.psql("ALTER SYSTEM SET synchronous_standby_names = '*'")
-        primary.psql("ALTER SYSTEM SET synchronous_commit = 'on'")
-        primary.psql("SELECT pg_reload_conf()")
-        self._wait(
-            lambda: (
-                primary.psql("SELECT string_agg(sync_state, ',') FROM pg_stat_replication")
-                == "sync"
-            ),
-            "the standby synchronous",
-        )
+        if self.synchronous:
+            # Synchronous from now on: set on the primary only, so the standby,
+            # once promoted, takes writes without waiting for a standby of its own.
+            primary.psql("ALTER SYSTEM SET synchronous_standby_names = '*'")
+            primary.psql("ALTER SYSTEM SET synchronous_commit = 'on'")
+            primary.psql("SELECT pg_reload_conf()")
+            self._wait(
+                lambda: (
+                    primary.psql("SELECT string_agg(sync_state, ',') FROM pg_stat_replication")
+                    == "sync"
+                ),
+                "the standby synchronous",
+            )
         primary.psql(f'CREATE DATABASE "{self.database}"')
         self._started = True
-        log.info("replication_started", primary=primary.port, standby=standby.port)
+        log.info(
+            "replication_started",
+            primary=primary.port,
+            standby=standby.port,
+            synchronous=self.synchronous,
+        )
         return self.url
 
     def _wait(self, probe: Any, what: str, timeout: float = 30.0) -> None:
@@ -262,6 +286,18 @@ class ReplicatedPostgres:
             if time.monotonic() > deadline:
                 raise EmbeddedError(f"timed out after {timeout:g}s waiting for {what}")
             time.sleep(0.1)  # polling a server's state; bounded by the deadline
+
+    def detach_standby(self) -> None:
+        """Cut the standby off from the primary (its ``primary_conninfo``
+        emptied): a standby falling behind. With synchronous replication the
+        primary's commits wait meanwhile; with asynchronous they return
+        without it."""
+        self.standby.psql("ALTER SYSTEM SET primary_conninfo = ''")
+        self.standby.psql("SELECT pg_reload_conf()")
+        self._wait(
+            lambda: self.primary.psql("SELECT count(*) FROM pg_stat_replication") == "0",
+            "the standby detached",
+        )
 
     def kill_primary(self) -> None:
         self.primary.kill()
