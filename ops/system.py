@@ -41,14 +41,21 @@ class AlreadyRunning(Exception):
 
 async def check_database(url: str, timeout: float = 5.0) -> None:
     """Connect once, as the control plane's engine does (every host of a
-    multi-host URL, in order, with its ``target_session_attrs``), and close."""
+    multi-host URL, in order, with its ``target_session_attrs``), and close.
+    ``timeout`` bounds the whole; with several hosts, each may also take its
+    ``connect_timeout``, so that a first host that does not answer leaves time
+    for the others."""
     import asyncpg
     import sqlalchemy as sa
+    from sqlalchemy.engine import make_url
 
-    from fleetlease.persistence.db import create_engine
+    from fleetlease.persistence.db import async_url, connect_timeout, create_engine
 
     try:
         engine = create_engine(url, pool_size=1, max_overflow=0)
+        hosts = make_url(async_url(url)).query.get("host")
+        if isinstance(hosts, tuple) and len(hosts) > 1:
+            timeout = max(timeout, connect_timeout(url) * len(hosts))
     except (ValueError, sa.exc.ArgumentError) as exc:
         raise Unreachable(f"unusable PostgreSQL URL {redact(url)}: {exc}") from exc
     try:

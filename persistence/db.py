@@ -10,7 +10,6 @@ primary. ``docs/operations.md`` has the supported topology."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -176,17 +175,13 @@ def create_engine(
     return engine
 
 
-def invalidate_pool(engine: AsyncEngine, connection: Any = None) -> None:
-    """Recycle, at their next checkout, every pooled connection made before the
-    one that failed (``connection``, a pool's connection, or None for all made
-    until now): what SQLAlchemy does itself on a disconnect, for failures it
-    does not see (the driver's own path). Connections made after it, to a
-    server that is up, are kept."""
-    pool = engine.sync_engine.pool
-    if connection is not None:
-        pool._invalidate(connection, None, _checkin=False)
-    else:
-        pool._invalidate_time = time.time()
+def invalidate_pool(engine: AsyncEngine, connection: Any) -> None:
+    """Recycle, at their next checkout, every pooled connection made before
+    ``connection`` (a pool's connection, whose server was found gone): what
+    SQLAlchemy does itself on a disconnect, for failures it does not see (the
+    driver's own path). Connections made after it, to a server that is up,
+    are kept."""
+    engine.sync_engine.pool._invalidate(connection, None, _checkin=False)
 
 
 def redact(url: str) -> str:

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from fleetlease.ops.system import Unreachable, check_database
 from fleetlease.persistence.db import create_engine
 from fleetlease.persistence.errors import Unavailable
 from fleetlease.persistence.repository import Repository
@@ -156,3 +157,10 @@ async def test_a_first_host_that_never_answers_costs_its_connect_timeout_only(
             assert await backend_pid(engine) > 0
         finally:
             await engine.dispose()
+        # `serve`'s check at start gives the first host its connect_timeout too.
+        await check_database(url, timeout=0.5)
+
+
+async def test_the_start_check_refuses_a_bad_multi_host_url_with_what_is_wrong() -> None:
+    with pytest.raises(Unreachable, match="target_session_attrs"):
+        await check_database("postgresql://fl@db1,db2/fleet?target_session_attrs=writable")
