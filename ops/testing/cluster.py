@@ -264,8 +264,6 @@ class Cluster:
             if replicated
             else EmbeddedPostgres(self.directory / "pg")
         )
-        if replicated and pg_proxy:
-            raise ValueError("the PostgreSQL fault proxy fronts one server, not a replicated pair")
         #: The platform admin's API token (for user API clients of the tests).
         self.admin_token = ""
         self.nats = EmbeddedNats(self.directory / "nats")
@@ -300,10 +298,14 @@ class Cluster:
         await asyncio.to_thread(self.pg.start)
         await asyncio.to_thread(self.nats.start)
         await upgrade(self.pg.url)
-        if self.want_pg_proxy and isinstance(self.pg, EmbeddedPostgres):
-            self.pg_proxy = await FaultProxy(
-                self.pg.pgdata / ".s.PGSQL.5432", seed=self.seed, name="pg"
-            ).start()
+        if self.want_pg_proxy:
+            # In front of the one server, or of a replicated pair's primary.
+            upstream: Any = (
+                self.pg.pgdata / ".s.PGSQL.5432"
+                if isinstance(self.pg, EmbeddedPostgres)
+                else ("127.0.0.1", self.pg.primary.port)
+            )
+            self.pg_proxy = await FaultProxy(upstream, seed=self.seed, name="pg").start()
         self.engine = create_engine(self.pg.url, pool_size=4, max_overflow=4)
         await install_reservation_audit(self.engine)
         self.repo = Repository(self.engine)
@@ -329,6 +331,9 @@ class Cluster:
     def serve_database_url(self) -> str:
         if self.pg_proxy is None:
             return self.pg.url
+        if isinstance(self.pg, ReplicatedPostgres):
+            # A primary that stops answering costs each connection this long.
+            return self.pg.url_via(self.pg_proxy.port, connect_timeout="2")
         u = make_url(self.pg.url)
         return u.set(host="127.0.0.1", port=self.pg_proxy.port, query={}).render_as_string(
             hide_password=False

@@ -210,8 +210,16 @@ class ReplicatedPostgres:
 
     @property
     def url(self) -> str:
-        hosts = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
-        return f"postgresql://postgres@{hosts}/{self.database}?target_session_attrs=read-write"
+        return self.url_via(self.primary.port)
+
+    def url_via(self, primary_port: int, **params: str) -> str:
+        """The multi-host URL with the primary reached at ``primary_port`` (a
+        proxy in front of it) and more query parameters."""
+        hosts = f"127.0.0.1:{primary_port},127.0.0.1:{self.standby.port}"
+        query = "&".join(
+            f"{k}={v}" for k, v in {"target_session_attrs": "read-write", **params}.items()
+        )
+        return f"postgresql://postgres@{hosts}/{self.database}?{query}"
 
     def start(self) -> str:
         if self._started:
