@@ -2,7 +2,9 @@
 (streaming replication from the embedded binaries), ``serve`` on the libpq
 multi-host URL with ``target_session_attrs=read-write``, agents running tasks
 and a user submitting through the API, recording every submit it was
-answered. The primary is SIGKILLed mid-load and the standby promoted.
+answered. The primary is SIGKILLed mid-load (its connections close), or its
+address first blackholed (as a machine lost: its connections hang), and the
+standby promoted.
 
 Invariants: ``serve`` carries on against the new primary without a restart;
 requests in flight or made during the outage are answered ``unavailable``
