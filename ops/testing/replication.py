@@ -1,11 +1,12 @@
-"""A PostgreSQL primary and a synchronous standby (streaming replication) from
-the embedded binaries, for the fault suite's failover test: both on loopback
+"""A PostgreSQL primary and a standby (streaming replication) from the
+embedded binaries, for the fault suite's failover tests: both on loopback
 TCP ports, the standby made with ``pg_basebackup -R`` over a physical
 replication slot and attached as the primary's synchronous standby
 (``synchronous_standby_names``, ``synchronous_commit=on``: a commit returns
-once the standby has flushed its WAL). The primary can be killed (SIGKILL of
-the postmaster and every backend, as a machine's loss) and the standby
-promoted.
+once the standby has flushed its WAL), or left asynchronous to show what that
+loses. The primary can be killed (SIGKILL of the postmaster and every
+backend at once, a crash: its connections close), the standby cut off from it
+and promoted.
 
 ``url`` is the libpq multi-host URL clients use,
 ``postgresql://postgres@127.0.0.1:P1,127.0.0.1:P2/db?target_session_attrs=read-write``,
@@ -185,7 +186,7 @@ class Node:
 
 
 class ReplicatedPostgres:
-    """A primary and its synchronous standby (see the module docstring). The
+    """A primary and its standby (see the module docstring). The
     interface the fault suite's ``Cluster`` uses of an embedded server
     (``start``, ``url``, ``stop``) plus ``kill_primary`` and ``promote``."""
 
