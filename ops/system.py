@@ -40,27 +40,40 @@ class AlreadyRunning(Exception):
 
 
 async def check_database(url: str, timeout: float = 5.0) -> None:
+    """Connect once, as the control plane's engine does (every host of a
+    multi-host URL, in order, with its ``target_session_attrs``), and close.
+    ``timeout`` bounds the whole; with several hosts, each may also take its
+    ``connect_timeout``, so that a first host that does not answer leaves time
+    for the others."""
     import asyncpg
+    import sqlalchemy as sa
     from sqlalchemy.engine import make_url
 
-    from fleetlease.persistence.db import async_url
+    from fleetlease.persistence.db import async_url, connect_timeout, create_engine
 
-    u = make_url(async_url(url))
     try:
-        conn = await asyncio.wait_for(
-            asyncpg.connect(
-                user=u.username,
-                password=u.password,
-                database=u.database,
-                host=u.query.get("host") or u.host,
-                port=u.port,
-            ),
-            timeout,
-        )
-        await conn.close()
-    except (OSError, TimeoutError, asyncpg.PostgresError, ValueError) as exc:
-        reason = str(exc) or type(exc).__name__
+        engine = create_engine(url, pool_size=1, max_overflow=0)
+        hosts = make_url(async_url(url)).query.get("host")
+        if isinstance(hosts, tuple) and len(hosts) > 1:
+            timeout = max(timeout, connect_timeout(url) * len(hosts))
+    except (ValueError, sa.exc.ArgumentError) as exc:
+        raise Unreachable(f"unusable PostgreSQL URL {redact(url)}: {exc}") from exc
+    try:
+        async with asyncio.timeout(timeout), engine.connect():
+            pass
+    except (
+        OSError,
+        TimeoutError,
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+        asyncpg.InternalClientError,
+        sa.exc.DBAPIError,
+        ValueError,
+    ) as exc:
+        reason = str(getattr(exc, "orig", None) or exc) or type(exc).__name__
         raise Unreachable(f"cannot reach PostgreSQL at {redact(url)}: {reason}") from exc
+    finally:
+        await engine.dispose()
 
 
 async def check_nats(

@@ -37,6 +37,7 @@ from fleetlease.ops.testing.invariants import (
     check,
     install_reservation_audit,
 )
+from fleetlease.ops.testing.replication import ReplicatedPostgres
 from fleetlease.persistence.db import create_engine
 from fleetlease.persistence.errors import Unavailable
 from fleetlease.persistence.model import RetryPolicy, TaskKind, TaskSpec
@@ -248,12 +249,23 @@ class Cluster:
         pg_proxy: bool = False,
         seed: int = 0,
         chaos: bool = False,
+        replicated: bool = False,
+        synchronous: bool = True,
     ) -> None:
         self.directory = Path(directory)
         self.timings = timings or Timings()
         self.prefix = prefix
         self.seed = seed
-        self.pg = EmbeddedPostgres(self.directory / "pg")
+        #: ``replicated``: a primary and a standby (``synchronous`` or not) on
+        #: loopback (``kill_primary``, ``promote_standby``), reached through a
+        #: multi-host URL; else one server on a unix socket.
+        self.pg: EmbeddedPostgres | ReplicatedPostgres = (
+            ReplicatedPostgres(self.directory / "pg", synchronous=synchronous)
+            if replicated
+            else EmbeddedPostgres(self.directory / "pg")
+        )
+        #: The platform admin's API token (for user API clients of the tests).
+        self.admin_token = ""
         self.nats = EmbeddedNats(self.directory / "nats")
         self.want_pg_proxy = pg_proxy
         #: Serves get the chaos hook (FLEETLEASE_CHAOS_DIR): see ``crash_actor``.
@@ -287,13 +299,17 @@ class Cluster:
         await asyncio.to_thread(self.nats.start)
         await upgrade(self.pg.url)
         if self.want_pg_proxy:
-            self.pg_proxy = await FaultProxy(
-                self.pg.pgdata / ".s.PGSQL.5432", seed=self.seed, name="pg"
-            ).start()
+            # In front of the one server, or of a replicated pair's primary.
+            upstream: Any = (
+                self.pg.pgdata / ".s.PGSQL.5432"
+                if isinstance(self.pg, EmbeddedPostgres)
+                else ("127.0.0.1", self.pg.primary.port)
+            )
+            self.pg_proxy = await FaultProxy(upstream, seed=self.seed, name="pg").start()
         self.engine = create_engine(self.pg.url, pool_size=4, max_overflow=4)
         await install_reservation_audit(self.engine)
         self.repo = Repository(self.engine)
-        await self.repo.add_user("admin", platform_admin=True)
+        self.admin_token = await self.repo.add_user("admin", platform_admin=True)
         await self.repo.add_project("default", owner="admin")
         return self
 
@@ -315,6 +331,9 @@ class Cluster:
     def serve_database_url(self) -> str:
         if self.pg_proxy is None:
             return self.pg.url
+        if isinstance(self.pg, ReplicatedPostgres):
+            # A primary that stops answering costs each connection this long.
+            return self.pg.url_via(self.pg_proxy.port, connect_timeout="2")
         u = make_url(self.pg.url)
         return u.set(host="127.0.0.1", port=self.pg_proxy.port, query={}).render_as_string(
             hide_password=False
@@ -326,6 +345,26 @@ class Cluster:
 
     async def start_pg(self) -> None:
         await asyncio.to_thread(self.pg.start)
+
+    @property
+    def pg_running(self) -> bool:
+        """Whether PostgreSQL (of a replicated pair: either server) is running."""
+        if isinstance(self.pg, ReplicatedPostgres):
+            return any(n.postmaster_pid() is not None for n in self.pg.nodes)
+        return (self.pg.pgdata / "postmaster.pid").exists()
+
+    def _replicated(self) -> ReplicatedPostgres:
+        if not isinstance(self.pg, ReplicatedPostgres):
+            raise ClusterError("a cluster made with replicated=True has a standby to fail over to")
+        return self.pg
+
+    async def kill_primary(self) -> None:
+        """SIGKILL the primary PostgreSQL (postmaster and backends)."""
+        await asyncio.to_thread(self._replicated().kill_primary)
+
+    async def promote_standby(self) -> None:
+        """Promote the standby; returns once it takes writes."""
+        await asyncio.to_thread(self._replicated().promote)
 
     async def kill_nats(self) -> None:
         await asyncio.to_thread(self.nats.kill)

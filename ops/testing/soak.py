@@ -440,7 +440,7 @@ class Soak:
 
     async def heal_everything(self) -> None:
         c = self.cluster
-        if not (c.pg.pgdata / "postmaster.pid").exists():
+        if not c.pg_running:
             await c.start_pg()
         if c.nats.proc is None or c.nats.proc.poll() is not None:
             await c.start_nats()

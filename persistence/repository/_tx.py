@@ -16,6 +16,7 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fleetlease.persistence.clock import Clock, SystemClock
+from fleetlease.persistence.db import SERVER_LOST_SQLSTATES, invalidate_pool
 from fleetlease.persistence.driver import DriverConnection
 from fleetlease.persistence.errors import RepositoryError, Unavailable
 from fleetlease.persistence.model import LeaseTimings
@@ -31,6 +32,20 @@ T = TypeVar("T")
 #: failure, deadlock, and a refused connection (the transaction never started).
 RETRY_SQLSTATES = frozenset({"40001", "40P01", "53300", "57P03"})
 
+#: SQLSTATEs that are ``Unavailable`` (retryable by the caller): connection
+#: exceptions, insufficient resources, an operator intervention (the server
+#: shutting down), and a read-only transaction (connected to a standby, or to a
+#: primary demoted by a failover).
+UNAVAILABLE_CLASSES = ("08", "53", "57")
+
+
+def _unavailable_state(state: str | None) -> bool:
+    return state is not None and (
+        state.startswith(UNAVAILABLE_CLASSES)
+        or state in RETRY_SQLSTATES
+        or state in SERVER_LOST_SQLSTATES
+    )
+
 
 TX_ATTEMPTS = 5
 
@@ -45,6 +60,18 @@ def _sqlstate(exc: BaseException) -> str | None:
         if isinstance(code, str):
             return code
     return None
+
+
+def _no_server(exc: BaseException) -> bool:
+    """Whether SQLAlchemy's error wraps the driver finding no usable server: no
+    host reachable, or none matching ``target_session_attrs`` (during a
+    failover, before the standby is promoted)."""
+    cause: BaseException | None = exc
+    for _ in range(4):
+        cause = cause.__cause__ if cause is not None else None
+        if isinstance(cause, asyncpg.InternalClientError | OSError):
+            return True
+    return False
 
 
 async def _may_retry(op: str, state: str | None, attempt: int) -> bool:
@@ -110,13 +137,12 @@ class Transactions:
                 state = _sqlstate(exc)
                 if await _may_retry(op, state, attempt):
                     continue
-                if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError) or (
-                    exc.connection_invalidated or state in RETRY_SQLSTATES
+                if (
+                    isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError)
+                    or exc.connection_invalidated
+                    or _unavailable_state(state)
+                    or _no_server(exc)
                 ):
-                    raise Unavailable(
-                        f"database unavailable during {op}", op=op, sqlstate=state
-                    ) from exc
-                if state is not None and state.startswith(("08", "53", "57")):
                     raise Unavailable(
                         f"database unavailable during {op}", op=op, sqlstate=state
                     ) from exc
@@ -125,11 +151,7 @@ class Transactions:
                 state = exc.sqlstate
                 if await _may_retry(op, state, attempt):
                     continue
-                if (
-                    isinstance(exc, asyncpg.PostgresConnectionError)
-                    or state in RETRY_SQLSTATES
-                    or (state or "").startswith(("08", "53", "57"))
-                ):
+                if isinstance(exc, asyncpg.PostgresConnectionError) or _unavailable_state(state):
                     raise Unavailable(
                         f"database unavailable during {op}", op=op, sqlstate=state
                     ) from exc
@@ -147,7 +169,9 @@ class Transactions:
     async def _on_driver(self, fn: Callable[[Any, datetime], Awaitable[T]], autocommit: bool) -> T:
         """``fn`` with a :class:`DriverConnection` (``_tx``'s ``driver``). A
         failure that may have broken the connection discards it rather than
-        return it to the pool."""
+        return it to the pool; one that shows its server gone (the connection
+        closed, a read-only or shutting-down server) invalidates the pool too,
+        as SQLAlchemy does on a disconnect it sees itself."""
         async with self.engine.connect() as conn:
             dconn = await DriverConnection.of(conn, _is_prebuilt)
             try:
@@ -162,8 +186,13 @@ class Transactions:
                 # ``DriverConnection``) leaves the connection usable; anything
                 # else (lost, or a statement cut short) leaves it unknown.
                 cause = exc.__cause__ if isinstance(exc, sa.exc.DBAPIError) else exc
-                if not isinstance(cause, asyncpg.PostgresError) or isinstance(
-                    cause, asyncpg.PostgresConnectionError
+                state = getattr(cause, "sqlstate", None)
+                if dconn.raw.is_closed() or state in SERVER_LOST_SQLSTATES:
+                    invalidate_pool(self.engine, await conn.get_raw_connection())
+                if (
+                    not isinstance(cause, asyncpg.PostgresError)
+                    or isinstance(cause, asyncpg.PostgresConnectionError)
+                    or state in SERVER_LOST_SQLSTATES
                 ):
                     await conn.invalidate()
                 raise
