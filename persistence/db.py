@@ -10,6 +10,7 @@ primary. ``docs/operations.md`` has the supported topology."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -163,7 +164,8 @@ def create_engine(
     connect_args = dict(kwargs.pop("connect_args", {}))
     server_settings = {"jit": "off", **connect_args.get("server_settings", {})}
     connect_args["server_settings"] = server_settings
-    connect_args.setdefault("async_creator_fn", _each_host(connect_timeout(url)))
+    raw_connect = _each_host(connect_timeout(url))
+    connect_args.setdefault("async_creator_fn", raw_connect)
     engine = create_async_engine(
         async_url(url),
         pool_size=pool_size,
@@ -172,7 +174,23 @@ def create_engine(
         **kwargs,
     )
     event.listen(engine.sync_engine, "handle_error", _mark_server_lost)
+    _RAW_CONNECT[engine.sync_engine] = raw_connect
     return engine
+
+
+#: The connect function of each engine made by :func:`create_engine`.
+_RAW_CONNECT: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def raw_connect(engine: AsyncEngine) -> Any:
+    """The connect function ``engine``'s pool uses (one host at a time, each for
+    the URL's ``connect_timeout``): for a connection outside the pool, such as
+    a LISTEN connection, that must find the primary as the pool does. Call it
+    with the dialect's connect arguments. Plain ``asyncpg.connect`` for an
+    engine made elsewhere."""
+    import asyncpg
+
+    return _RAW_CONNECT.get(engine.sync_engine, asyncpg.connect)
 
 
 def invalidate_pool(engine: AsyncEngine, connection: Any) -> None:

@@ -35,6 +35,8 @@ import asyncpg
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from fleetlease.persistence.db import raw_connect
+
 log = structlog.get_logger("fleetlease.taskevents")
 
 #: The channel the trigger notifies on (per database: deployments with
@@ -102,6 +104,7 @@ class TaskEventStream:
         if not check_s > 0:
             raise ValueError(f"check_s must be > 0, got {check_s!r}")
         self._kwargs = connect_kwargs(engine)
+        self._connect = raw_connect(engine)
         self.sink = sink
         self.check_s = check_s
         self.backoff_s = backoff_s
@@ -150,7 +153,7 @@ class TaskEventStream:
     async def _listen(self) -> None:
         """One connection's life: LISTEN, mark, and check by marks until it fails."""
         self._lost.clear()
-        self._conn = conn = await asyncpg.connect(**self._kwargs)
+        self._conn = conn = await self._connect(**self._kwargs)
         self.connects += 1
         conn.add_termination_listener(lambda _c: self._lost.set())
         await conn.add_listener(CHANNEL, self._on_notify)

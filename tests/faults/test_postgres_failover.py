@@ -10,7 +10,9 @@ Invariants: ``serve`` carries on against the new primary without a restart;
 requests in flight or made during the outage are answered ``unavailable``
 and succeed when repeated; every acknowledged transition (submits, acks,
 results) is in the new primary and the invariant checker finds nothing wrong
-(``fleetlease.ops.testing.invariants``); every task finishes.
+(``fleetlease.ops.testing.invariants``); every task finishes; a live view
+(``task_events``) started before the failover is told of the gap and then
+sees the tasks submitted on the new primary (the feed listens there again).
 
 And the topology it rules out: with an asynchronous standby that fell behind,
 the same failover loses acknowledged submits, and the audit names each."""
@@ -18,13 +20,14 @@ the same failover loses acknowledged submits, and the audit names each."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from dataclasses import dataclass, field
 
 import pytest
 import sqlalchemy as sa
 
-from fleetlease.ops.client import OpsClient, OpsError
+from fleetlease.ops.client import OpsClient, OpsError, task_events
 from fleetlease.ops.testing.cluster import Cluster, Timings, wait_for
 from fleetlease.ops.testing.replication import ReplicatedPostgres
 from tests.faults.conftest import MakeCluster
@@ -122,6 +125,17 @@ async def test_promoting_the_synchronous_standby_loses_no_acknowledged_transitio
         nats_url=cluster.nats.url, token=cluster.admin_token, prefix=cluster.prefix, user="admin"
     ).connect()
     submitter = Submitter(cluster, client)
+    # A live view started before the failover: the changes it sees, by task.
+    watched: dict[str, list[str]] = {}
+    subscribed = asyncio.Event()
+    gap = asyncio.Event()
+
+    async def watch() -> None:
+        async for event in task_events(client, subscribed=subscribed, wait_s=2, on_gap=gap.set):
+            watched.setdefault(str(event["task_id"]), []).append(str(event["state"]))
+
+    watcher = asyncio.ensure_future(watch())
+    await asyncio.wait_for(subscribed.wait(), 30)
     load = asyncio.ensure_future(submitter.run())
     loop = asyncio.get_running_loop()
     try:
@@ -162,10 +176,28 @@ async def test_promoting_the_synchronous_standby_loses_no_acknowledged_transitio
     finally:
         submitter.stop.set()
         await load
-        await client.close()
 
     assert await server_port(cluster) == pg.standby.port
     await cluster.wait_terminal(submitter.acknowledged, timeout=120)
+
+    # The live view carries on on the new primary: what committed while the
+    # control plane's feed was not listening there yet is a gap, which the view
+    # is told of; the tasks submitted after that are seen to their end.
+    await asyncio.wait_for(gap.wait(), 60)
+    fresh = await cluster.submit(3)
+    await cluster.wait_terminal(fresh, timeout=60)
+    final = await cluster.states(fresh)
+    try:
+        await wait_for(
+            lambda: all(final[t] in watched.get(t, []) for t in fresh),
+            timeout=60,
+            what="the live view saw the new tasks end",
+        )
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError, OpsError):
+            await watcher
+        await client.close()
     assert serve.alive and serve.starts == 1, serve.tail()
     # No actor crashed on the lost connections (nor wedged: the work went on).
     assert not serve.named("actor.crash"), serve.named("actor.crash")
