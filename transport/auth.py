@@ -362,6 +362,11 @@ class Verifier:
         with self._lock:
             return len(self._seen)
 
+    @property
+    def window_s(self) -> float:
+        """How far a message's timestamp may be from now, seconds."""
+        return self._window_ms / 1000
+
     def verify_envelope(
         self,
         subject: str,

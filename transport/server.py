@@ -53,6 +53,7 @@ from fleetlease.transport.events import EventFanout
 from fleetlease.transport.host_handlers import HOST_VERBS, ControlPlaneLike, HostHandlers
 from fleetlease.transport.nats_connect import server_list
 from fleetlease.transport.ops_channel import OpsChannel, OpsHandler
+from fleetlease.transport.replay import SharedReplay
 from fleetlease.transport.staging import StagingLimits
 from fleetlease.transport.subjects import Channel, Subjects, queue_group
 
@@ -212,6 +213,10 @@ class Server:
         self.verifier = Verifier(
             server_secret, auth_clock or SystemClock(), subjects=self.subjects, **verifier_opts
         )
+        #: Replay protection shared by every process of the fleet (``transport.replay``).
+        self.replay = SharedReplay(
+            repo, auth_clock or SystemClock(), window_s=self.verifier.window_s
+        )
         self._connect_options = dict(connect_options or {})
         # JetStream (staging, object store) goes through a connection of its own
         # that never answers a client: on a secured broker the serving
@@ -243,6 +248,7 @@ class Server:
             repo=repo,
             subjects=self.subjects,
             verifier=self.verifier,
+            replay=self.replay,
             server_secret=server_secret,
             timings=self.timings,
             heartbeat_s=heartbeat_s,
@@ -297,6 +303,7 @@ class Server:
             await self.events.start(events_nc)
             self.cp.add_listener(self.events.on_event)
             self.cp.add_listener(self.artifacts.on_attempt_event)
+            self.replay.start()
         except BaseException:
             await self.stop(grace_s=0)
             raise
@@ -377,6 +384,7 @@ class Server:
             with contextlib.suppress(Exception):
                 await self._storage_nc.close()
             self._storage_nc = None
+        await self.replay.stop()
         self.artifacts.close()
         if self._started:
             log.info("server_stopped")
