@@ -21,9 +21,10 @@ any process recorded before is refused (``unauthorized``, reason ``replay``).
   transitions they guard (a standby promoted after a failover still has
   them), and a message whose nonce row was lost cannot have had an effect
   that was acknowledged after it.
-* When the database cannot record a nonce, the message is refused
-  ``unavailable`` (retryable; a host agent re-signs and sends again) and has
-  no effect: a message is never accepted unchecked.
+* When the database cannot record a nonce (down, or no answer within
+  ``timeout_s``), the message is refused ``unavailable`` (retryable; a host
+  agent re-signs and sends again) and has no effect: a message is never
+  accepted unchecked.
 * A row is kept until the message's timestamp plus the window plus
   ``margin_s`` by this process's clock (the margin covers clock skew between
   the ``serve`` processes), then deleted by ``prune``, every ``prune_interval_s``,
@@ -76,6 +77,7 @@ class SharedReplay:
         max_inflight: int = 4,
         prune_interval_s: float | None = None,
         prune_batch: int = 5000,
+        timeout_s: float = 5.0,
     ) -> None:
         if not window_s > 0:
             raise ValueError(f"window_s must be positive, got {window_s!r}")
@@ -92,6 +94,8 @@ class SharedReplay:
         self.max_inflight = max_inflight
         self.prune_interval_s = window_s if prune_interval_s is None else prune_interval_s
         self.prune_batch = prune_batch
+        #: A check the database has not answered within this is ``unavailable``.
+        self.timeout_s = timeout_s
         self._pending: list[tuple[_Entry, asyncio.Future[bool]]] = []
         self._flushers: set[asyncio.Task[None]] = set()
         self._pruner: asyncio.Task[None] | None = None
@@ -127,7 +131,9 @@ class SharedReplay:
             self.items += len(batch)
             started = time.perf_counter()
             try:
-                fresh: Sequence[bool] = await self.repo.record_nonces([e for e, _ in batch])
+                fresh: Sequence[bool] = await self.repo.record_nonces(
+                    [e for e, _ in batch], timeout_s=self.timeout_s
+                )
                 metrics.group_committed("replay", len(batch), started)
             except Exception as exc:
                 for _, f in batch:

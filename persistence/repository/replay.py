@@ -43,10 +43,13 @@ WHERE (scope, nonce) IN (
 class ReplayMixin(Transactions):
     """The shared replay ledger (see the module doc)."""
 
-    async def record_nonces(self, entries: Sequence[tuple[str, bytes, datetime]]) -> list[bool]:
+    async def record_nonces(
+        self, entries: Sequence[tuple[str, bytes, datetime]], *, timeout_s: float | None = None
+    ) -> list[bool]:
         """Record each ``(scope, nonce, expires_at)``; True for an entry seen
         for the first time, False for one already recorded (by any process,
-        or earlier in ``entries``). ``Unavailable`` when the database is."""
+        or earlier in ``entries``). ``Unavailable`` when the database is, or
+        when the statement takes longer than ``timeout_s``."""
         scopes: list[str] = []
         nonces: list[bytes] = []
         expiries: list[datetime] = []
@@ -64,7 +67,7 @@ class ReplayMixin(Transactions):
             return []
 
         async def run(conn: Any, now: datetime) -> set[tuple[str, bytes]]:
-            rows = await conn.fetch(_RECORD_SQL, scopes, nonces, expiries)
+            rows = await conn.fetch(_RECORD_SQL, scopes, nonces, expiries, timeout=timeout_s)
             return {(r["scope"], bytes(r["nonce"])) for r in rows}
 
         inserted = await self._raw("record_nonces", run)

@@ -63,7 +63,7 @@ class StubRepo:
         self.generations = generations
         self.nonces: set[tuple[str, bytes]] = set()
 
-    async def record_nonces(self, entries: Any) -> list[bool]:
+    async def record_nonces(self, entries: Any, *, timeout_s: Any = None) -> list[bool]:
         out = []
         for scope, nonce, _expires_at in entries:
             out.append((scope, nonce) not in self.nonces)
