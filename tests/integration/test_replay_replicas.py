@@ -8,13 +8,16 @@ are captured off the wire and their exact bytes replayed once replica 1 has
 stopped, so that replica 2 is the one that receives them: refused
 (``unauthorized``, a replay) and nothing changes. The shared store failing
 for real (its table locked past the check's timeout) refuses messages
-``unavailable``, changes nothing, and the next message is served.
+``unavailable``, changes nothing, and the next message is served. The
+ledger underneath: each nonce is new exactly once whichever process records
+it, concurrent checks share one statement, and pruning is bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -27,10 +30,13 @@ from nats.aio.msg import Msg
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fleetlease.ops.service import ControlPlaneService
+from fleetlease.persistence.clock import SystemClock
 from fleetlease.persistence.db import create_engine
 from fleetlease.persistence.repository import Repository
 from fleetlease.transport import wire
+from fleetlease.transport.auth import AuthError
 from fleetlease.transport.client import HostClient
+from fleetlease.transport.replay import SharedReplay
 from fleetlease.transport.subjects import Subjects
 from tests.inbox import reply_subject
 from tests.integration.test_transport_e2e import System, start_service
@@ -275,3 +281,28 @@ async def test_pruning_deletes_only_expired_rows_in_bounded_batches(
     assert left == 5
     # A pruned nonce's message is stale by then; its live neighbours still refuse.
     assert await a.record_nonces(live) == [False] * 5
+
+
+async def test_concurrent_checks_share_one_statement_and_a_twin_is_refused(
+    repos: tuple[Repository, Repository],
+) -> None:
+    a, b = repos
+    mine = SharedReplay(a, SystemClock(), window_s=30)
+    theirs = SharedReplay(b, SystemClock(), window_s=30)
+    ts_ms = int(time.time() * 1000)
+    nonces = [secrets.token_bytes(16) for _ in range(50)]
+    # Queued together: one statement carries them all.
+    await asyncio.gather(*(mine.check("h1", n, ts_ms) for n in nonces))
+    assert (mine.batches, mine.items) == (1, 50)
+    # The same message twice in one batch: exactly one passes.
+    twin = secrets.token_bytes(16)
+    outcomes = await asyncio.gather(
+        mine.check("h1", twin, ts_ms), mine.check("h1", twin, ts_ms), return_exceptions=True
+    )
+    assert sorted(type(o).__name__ for o in outcomes) == ["AuthError", "NoneType"]
+    # Another process refuses every one of them.
+    for n in [*nonces[:3], twin]:
+        with pytest.raises(AuthError) as err:
+            await theirs.check("h1", n, ts_ms)
+        assert err.value.reason == "replay" and err.value.code == "unauthorized"
+    assert theirs.refused == 4
