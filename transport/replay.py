@@ -16,15 +16,25 @@ any process recorded before is refused (``unauthorized``, reason ``replay``).
   and the next free flusher takes all of them (up to ``max_batch``). At low
   load a check is one statement of its own; under load one statement carries
   many.
-* The database is the store because every host message already needs it: the
-  check adds no dependency, its rows are as durable and as replicated as the
-  transitions they guard (a standby promoted after a failover still has
-  them), and a message whose nonce row was lost cannot have had an effect
-  that was acknowledged after it.
+* The database is the store because every host message already needs it:
+  the check adds no dependency (a JetStream KV bucket would make JetStream,
+  otherwise needed only for artifacts, a condition of every host message),
+  its rows fail over with the transitions they guard (a promoted synchronous
+  standby still has them), and concurrent checks share one statement where a
+  KV bucket costs a broker round trip per message.
 * When the database cannot record a nonce (down, or no answer within
   ``timeout_s``), the message is refused ``unavailable`` (retryable; a host
   agent re-signs and sends again) and has no effect: a message is never
   accepted unchecked.
+* ``serve`` runs the inserts on a small pool of their own whose commits do
+  not wait for the WAL flush (``RELAXED_COMMIT``: ``synchronous_commit=off``,
+  so a check at low load costs a round trip, not a disk flush). That loses
+  nothing that matters: a nonce is committed before its message's transition
+  begins, so its commit record comes first in the WAL, and the transition's
+  own (synchronous) commit flushes, and on a synchronous standby replicates,
+  the WAL up to itself. A crash of PostgreSQL can lose only the last
+  fraction of a second of nonces, of messages that had no acknowledged
+  effect; such a message replayed after the crash would be accepted once.
 * A row is kept until the message's timestamp plus the window plus
   ``margin_s`` by this process's clock (the margin covers clock skew between
   the ``serve`` processes), then deleted by ``prune``, every ``prune_interval_s``,
@@ -51,7 +61,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("fleetlease.replay")
 
-__all__ = ["SharedReplay", "register_scope"]
+__all__ = ["RELAXED_COMMIT", "SharedReplay", "register_scope"]
+
+#: The server settings of the ledger's connections (see the module doc).
+RELAXED_COMMIT = {"synchronous_commit": "off"}
 
 _Entry = tuple[str, bytes, datetime]
 
@@ -66,6 +79,9 @@ class SharedReplay:
     """The replay check shared through the database (see the module doc).
     Runs on the event loop."""
 
+    #: Statements in flight at once (the ledger's pool needs one more, to prune).
+    MAX_INFLIGHT = 4
+
     def __init__(
         self,
         repo: Repository,
@@ -74,7 +90,7 @@ class SharedReplay:
         window_s: float,
         margin_s: float | None = None,
         max_batch: int = 512,
-        max_inflight: int = 4,
+        max_inflight: int = MAX_INFLIGHT,
         prune_interval_s: float | None = None,
         prune_batch: int = 5000,
         timeout_s: float = 5.0,

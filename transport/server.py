@@ -186,6 +186,7 @@ class Server:
         control_plane: ControlPlaneLike,
         repo: Repository,
         server_secret: bytes,
+        replay_ledger: Repository | None = None,
         subjects: Subjects | None = None,
         ops: OpsHandler | None = None,
         timings: LeaseTimings | None = None,
@@ -213,9 +214,10 @@ class Server:
         self.verifier = Verifier(
             server_secret, auth_clock or SystemClock(), subjects=self.subjects, **verifier_opts
         )
-        #: Replay protection shared by every process of the fleet (``transport.replay``).
+        #: Replay protection shared by every process of the fleet
+        #: (``transport.replay``), through ``replay_ledger`` (``repo`` if None).
         self.replay = SharedReplay(
-            repo, auth_clock or SystemClock(), window_s=self.verifier.window_s
+            replay_ledger or repo, auth_clock or SystemClock(), window_s=self.verifier.window_s
         )
         self._connect_options = dict(connect_options or {})
         # JetStream (staging, object store) goes through a connection of its own
