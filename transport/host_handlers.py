@@ -137,6 +137,13 @@ def reject_nul(root: object, name: str) -> None:
             stack.extend(value)
 
 
+#: The periodic host messages, whose replay check may wait a few milliseconds
+#: to share its statement (``transport/replay.py``); no answer to them is
+#: needed within milliseconds (a lease is tens of seconds long).
+_PERIODIC: frozenset[type[wire.Message]] = frozenset(
+    {wire.Heartbeat, wire.Renew, wire.Progress, wire.CancelPoll, wire.LogAppend}
+)
+
 #: Host messages of exactly (task_id, attempt, lease_token).
 _LEASE_MESSAGES: frozenset[type[wire.Message]] = frozenset({wire.Ack, wire.Renew, wire.CancelPoll})
 
@@ -209,7 +216,7 @@ class HostHandlers:
         await self._check_generation(hs.host_id, auth.generation, fresh=fresh)
         # The last check, as it writes a row: once any process accepted the
         # message, every process refuses it here.
-        await self.replay.check(hs.host_id, auth.nonce, auth.ts_ms)
+        await self.replay.check(hs.host_id, auth.nonce, auth.ts_ms, urgent=type(m) not in _PERIODIC)
         session = Session(host_id=hs.host_id, generation=auth.generation)
         try:
             return await self._host_verb(session, m, may_wait)

@@ -11,11 +11,14 @@ in PostgreSQL (``replay_nonces``, ``Repository.record_nonces``), and a nonce
 any process recorded before is refused (``unauthorized``, reason ``replay``).
 
 * Group commit, as the host transitions do: concurrent checks share one
-  ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` in autocommit. There is no
-  batching delay: while ``max_inflight`` inserts are running, new checks queue
-  and the next free flusher takes all of them (up to ``max_batch``). At low
-  load a check is one statement of its own; under load one statement carries
-  many.
+  ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` in autocommit. While
+  ``max_inflight`` inserts are running, new checks queue and the next free
+  flusher takes all of them (up to ``max_batch``). A check that someone waits
+  on (a claim, an ack, a result: ``urgent``) never waits for a batch to fill;
+  the periodic messages (heartbeats, renewals, progress, cancel polls, log
+  lines: not urgent) linger up to ``linger_s`` (10 ms, as renewals do in
+  their own group commit) for others to share their statement, and go at
+  once with the next urgent check or a full batch.
 * The database is the store because every host message already needs it:
   the check adds no dependency (a JetStream KV bucket would make JetStream,
   otherwise needed only for artifacts, a condition of every host message),
@@ -94,9 +97,12 @@ class SharedReplay:
         prune_interval_s: float | None = None,
         prune_batch: int = 5000,
         timeout_s: float = 5.0,
+        linger_s: float = 0.01,
     ) -> None:
         if not window_s > 0:
             raise ValueError(f"window_s must be positive, got {window_s!r}")
+        if not linger_s >= 0:
+            raise ValueError(f"linger_s must not be negative, got {linger_s!r}")
         if max_batch < 1 or max_inflight < 1 or prune_batch < 1:
             raise ValueError("max_batch, max_inflight and prune_batch must be at least 1")
         self.repo = repo
@@ -112,7 +118,12 @@ class SharedReplay:
         self.prune_batch = prune_batch
         #: A check the database has not answered within this is ``unavailable``.
         self.timeout_s = timeout_s
-        self._pending: list[tuple[_Entry, asyncio.Future[bool]]] = []
+        self.linger_s = linger_s
+        self._pending: list[tuple[_Entry, asyncio.Future[bool], bool]] = []
+        #: Urgent checks pending; set ``_go`` for a lingering flusher.
+        self._urgent = 0
+        self._go = asyncio.Event()
+        self._lingering = False
         self._flushers: set[asyncio.Task[None]] = set()
         self._pruner: asyncio.Task[None] | None = None
         #: Statements run, the checks they carried, the replays refused.
@@ -120,14 +131,20 @@ class SharedReplay:
         self.items = 0
         self.refused = 0
 
-    async def check(self, scope: str, nonce: bytes, ts_ms: int) -> None:
+    async def check(self, scope: str, nonce: bytes, ts_ms: int, *, urgent: bool = True) -> None:
         """Record ``(scope, nonce)`` of a message signed at ``ts_ms``; AuthError
         ``replay`` if any process recorded it before, ``Unavailable`` (a
-        ``RepositoryError``, code ``unavailable``) if the database cannot say."""
+        ``RepositoryError``, code ``unavailable``) if the database cannot say.
+        Not ``urgent``: the check may linger (see the module doc)."""
         expires_at = datetime.fromtimestamp(ts_ms / 1000, UTC) + self.window
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[bool] = loop.create_future()
-        self._pending.append(((scope, nonce, expires_at), fut))
+        self._pending.append(((scope, nonce, expires_at), fut, urgent))
+        if urgent:
+            self._urgent += 1
+            self._go.set()
+        elif len(self._pending) >= self.max_batch:
+            self._go.set()
         if len(self._flushers) < self.max_inflight:
             task = loop.create_task(self._flush())
             self._flushers.add(task)
@@ -138,9 +155,21 @@ class SharedReplay:
 
     async def _flush(self) -> None:
         while self._pending:
-            batch = self._pending[: self.max_batch]
+            if self.linger_s and not self._urgent and len(self._pending) < self.max_batch:
+                if self._lingering:
+                    return  # another flusher is collecting these
+                self._lingering = True
+                self._go.clear()
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self.linger_s):
+                            await self._go.wait()
+                finally:
+                    self._lingering = False
+            taken = self._pending[: self.max_batch]
             del self._pending[: self.max_batch]
-            batch = [(e, f) for e, f in batch if not f.done()]
+            self._urgent -= sum(1 for _, _, u in taken if u)
+            batch = [(e, f) for e, f, _ in taken if not f.done()]
             if not batch:
                 continue
             self.batches += 1

@@ -306,3 +306,28 @@ async def test_concurrent_checks_share_one_statement_and_a_twin_is_refused(
             await theirs.check("h1", n, ts_ms)
         assert err.value.reason == "replay" and err.value.code == "unauthorized"
     assert theirs.refused == 4
+
+
+async def test_periodic_checks_wait_for_company_and_go_with_the_next_urgent_one(
+    repos: tuple[Repository, Repository],
+) -> None:
+    a, _ = repos
+    # A linger longer than the test: only an urgent check (or a full batch)
+    # can send the periodic ones.
+    replay = SharedReplay(a, SystemClock(), window_s=30, linger_s=3600, max_batch=8)
+    ts_ms = int(time.time() * 1000)
+    periodic = [
+        asyncio.ensure_future(replay.check("h1", secrets.token_bytes(16), ts_ms, urgent=False))
+        for _ in range(3)
+    ]
+    await asyncio.sleep(0)
+    assert replay.batches == 0 and not any(p.done() for p in periodic)
+    await replay.check("h1", secrets.token_bytes(16), ts_ms)
+    await asyncio.gather(*periodic)
+    assert (replay.batches, replay.items) == (1, 4)
+    # A full batch goes without an urgent check.
+    await asyncio.gather(
+        *(replay.check("h1", secrets.token_bytes(16), ts_ms, urgent=False) for _ in range(8))
+    )
+    assert (replay.batches, replay.items) == (2, 12)
+    await replay.stop()
