@@ -6,7 +6,8 @@ of one fleet are.
 A host message (heartbeat, renewal) and a Register proof accepted by replica 1
 are captured off the wire and their exact bytes replayed once replica 1 has
 stopped, so that replica 2 is the one that receives them: refused
-(``unauthorized``, a replay) and nothing changes. The shared store failing
+(``unauthorized``, a replay) and nothing changes; replayed while both serve,
+every copy is refused whichever replica takes it. The shared store failing
 for real (its table locked past the check's timeout) refuses messages
 ``unavailable``, changes nothing, and the next message is served. The
 ledger underneath: each nonce is new exactly once whichever process records
@@ -169,6 +170,28 @@ async def test_a_host_message_accepted_by_one_replica_is_refused_by_another(
         reply = await h.client.renew(a.task_id, a.attempt, a.lease_token)
         assert reply.state == "running"
         assert await lease_of(two, a.task_id, a.attempt) > lease
+    finally:
+        await two.stop()
+
+
+async def test_replays_spread_over_two_running_replicas_are_all_refused(
+    fleet: tuple[System, Path], db_url: str, nats_url: str, subject_prefix: str
+) -> None:
+    one, state_dir = fleet
+    subjects = one.subjects
+    h = await one.host("h1", devices=1)
+    tap = Tap()
+    await tap.on(one.nc, subjects.heartbeat("h1"))
+    await h.client.heartbeat([wire.Device(device_id="h1-d0")])
+    beat = await tap.next()
+    await h.client.heartbeat([wire.Device(device_id="h1-d0"), wire.Device(device_id="h1-d1")])
+    await tap.next()
+    # Both replicas serve the queue group now; each replay goes to either.
+    two = await start_service(db_url, nats_url, subject_prefix, state_dir)
+    try:
+        for _ in range(12):
+            refused_as_replay(await replay(one.nc, subjects, beat))
+        assert await devices_of(two, "h1") == ["h1-d0", "h1-d1"]
     finally:
         await two.stop()
 
