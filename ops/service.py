@@ -109,6 +109,9 @@ class ControlPlaneService:
     history_interval_s: float = 10.0
 
     engine: AsyncEngine | None = None
+    #: The replay check's own small pool (``transport.replay``): its inserts
+    #: commit without waiting for the WAL flush.
+    replay_engine: AsyncEngine | None = None
     repo: Repository | None = None
     control_plane: Any = None
     server: Any = None
@@ -141,6 +144,14 @@ class ControlPlaneService:
                 scheduler_interval_s=self.scheduler_interval_s,
             )
             await self.control_plane.start()
+            from fleetlease.transport.replay import RELAXED_COMMIT, SharedReplay
+
+            self.replay_engine = create_engine(
+                self.database_url,
+                pool_size=SharedReplay.MAX_INFLIGHT + 1,  # the inserts and a prune
+                max_overflow=0,
+                connect_args={"server_settings": RELAXED_COMMIT},
+            )
             secret = ServerSecret.load_or_create(self.state_dir / "server.secret")
             connect_options, storage_options = await self._start_broker_auth()
             self.ops = self._ops_api()
@@ -151,6 +162,7 @@ class ControlPlaneService:
                 control_plane=self.control_plane,
                 repo=self.repo,
                 server_secret=secret.value,
+                replay_ledger=Repository(self.replay_engine, self.clock, self.timings),
                 subjects=Subjects(self.prefix),
                 ops=self.ops,
                 timings=self.timings,
@@ -269,6 +281,9 @@ class ControlPlaneService:
         if self.sampler is not None:
             await self.sampler.stop()
             self.sampler = None
+        if self.replay_engine is not None:
+            await self.replay_engine.dispose()
+            self.replay_engine = None
         if self.engine is not None:
             await self.engine.dispose()
             self.engine = None

@@ -254,3 +254,14 @@ artifacts = sa.Table(
     sa.Column("object_name", sa.Text, nullable=False),
     sa.Column("created_at", TS, nullable=False),
 )
+
+# The signed host messages (and Register proofs) accepted within the replay
+# window, shared by every control-plane process (``persistence/repository/replay.py``):
+# ``scope`` is the host id, or ``register:<host id>`` for a Register proof.
+replay_nonces = sa.Table(
+    "replay_nonces",
+    metadata,
+    sa.Column("scope", sa.Text, primary_key=True),
+    sa.Column("nonce", sa.LargeBinary, primary_key=True),
+    sa.Column("expires_at", TS, nullable=False, index=True),
+)

@@ -1,8 +1,8 @@
 """The NATS side of fleetlease: every subject (``subjects``), the wire messages
 (``wire``), host signing and sessions (``auth``), the control plane's server
-(``server``, with ``host_handlers``, ``artifacts``, ``ops_channel``, ``events``,
-``admission`` and ``staging`` behind it), the host-side client (``client``) and
-broker-level identities (``broker_auth``, ``broker_config``,
+(``server``, with ``host_handlers``, ``replay``, ``artifacts``, ``ops_channel``,
+``events``, ``admission`` and ``staging`` behind it), the host-side client
+(``client``) and broker-level identities (``broker_auth``, ``broker_config``,
 ``broker_cluster``).
 
 The names are imported on first use, so that a host agent importing its client

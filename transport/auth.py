@@ -23,10 +23,13 @@ Design:
   the generation is the current one (passed in by the caller: the verifier never
   reads the database), the timestamp is within ``window_s`` of now, the HMAC
   matches (constant-time compare) and the ``(host, nonce)`` pair was not seen
-  within the window. The replay cache lives in process memory: it does not
-  survive a restart and is not shared between control-plane processes; the
-  fencing in the repository (lease tokens, attempt numbers, result fingerprints)
-  is what keeps a replay that slips through those gaps harmless.
+  within the window by this process. That replay cache lives in process
+  memory and is the fast first check; the server then records the nonce in
+  PostgreSQL, shared by every control-plane process of the fleet
+  (``transport/replay.py``), so a message replayed to another process, or to
+  this one after a restart, is refused too. The fencing in the repository
+  (lease tokens, attempt numbers, result fingerprints) still bounds what any
+  message can do.
 """
 
 from __future__ import annotations
@@ -361,6 +364,11 @@ class Verifier:
     def __len__(self) -> int:
         with self._lock:
             return len(self._seen)
+
+    @property
+    def window_s(self) -> float:
+        """How far a message's timestamp may be from now, seconds."""
+        return self._window_ms / 1000
 
     def verify_envelope(
         self,

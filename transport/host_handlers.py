@@ -16,11 +16,15 @@ point):
    subject names (``unauthorized`` / ``forbidden``: host A's session can never
    act for host B, and nothing of B is read before this check);
 4. the signature, its timestamp and its nonce verify against the session key of
-   the presented generation, without touching the database (``unauthorized``);
+   the presented generation, without touching the database, and the nonce was
+   not seen by this process (``unauthorized``);
 5. the presented generation is the host's current one (``unauthorized``); a
    per-process cache answers the common case, the database the rest, and the
    repository re-checks it inside every transaction anyway (so the cache can be
-   stale in one direction only: towards asking the repository, which refuses).
+   stale in one direction only: towards asking the repository, which refuses);
+6. the nonce was not seen by any control-plane process: it is recorded in the
+   database (``transport/replay.py``; ``unauthorized`` for a replay,
+   ``unavailable`` when the database cannot say).
 
 Only then is the request handed to the actor system (``actors.runtime.ControlPlane``)
 or, for logs and artifacts, to the repository and ``transport/artifacts.py``.
@@ -49,6 +53,7 @@ from fleetlease.transport.artifacts import Artifacts
 from fleetlease.transport.auth import AuthError, Verifier, session_key
 from fleetlease.transport.broker_auth import open_register_proof
 from fleetlease.transport.clip import MAX_MESSAGE_CHARS, clip, clip_repr
+from fleetlease.transport.replay import SharedReplay, register_scope
 from fleetlease.transport.subjects import Channel, Subjects
 
 if TYPE_CHECKING:
@@ -132,6 +137,13 @@ def reject_nul(root: object, name: str) -> None:
             stack.extend(value)
 
 
+#: The periodic host messages, whose replay check may wait a few milliseconds
+#: to share its statement (``transport/replay.py``); no answer to them is
+#: needed within milliseconds (a lease is tens of seconds long).
+_PERIODIC: frozenset[type[wire.Message]] = frozenset(
+    {wire.Heartbeat, wire.Renew, wire.Progress, wire.CancelPoll, wire.LogAppend}
+)
+
 #: Host messages of exactly (task_id, attempt, lease_token).
 _LEASE_MESSAGES: frozenset[type[wire.Message]] = frozenset({wire.Ack, wire.Renew, wire.CancelPoll})
 
@@ -151,6 +163,7 @@ class HostHandlers:
         repo: Repository,
         subjects: Subjects,
         verifier: Verifier,
+        replay: SharedReplay,
         server_secret: bytes,
         timings: LeaseTimings,
         heartbeat_s: float,
@@ -161,6 +174,7 @@ class HostHandlers:
         self.repo = repo
         self.subjects = subjects
         self.verifier = verifier
+        self.replay = replay
         self._secret = server_secret
         self.timings = timings
         self.heartbeat_s = heartbeat_s
@@ -200,6 +214,9 @@ class HostHandlers:
         # they are checked against the database itself, not the cache.
         fresh = isinstance(m, wire.ArtifactChunk)
         await self._check_generation(hs.host_id, auth.generation, fresh=fresh)
+        # The last check, as it writes a row: once any process accepted the
+        # message, every process refuses it here.
+        await self.replay.check(hs.host_id, auth.nonce, auth.ts_ms, urgent=type(m) not in _PERIODIC)
         session = Session(host_id=hs.host_id, generation=auth.generation)
         try:
             return await self._host_verb(session, m, may_wait)
@@ -282,8 +299,9 @@ class HostHandlers:
         """The credential inside a Register proof (the credential never crosses
         the wire). Timestamp window first, then the stored hash (read
         only; an unknown or revoked host is checked against a dummy hash, so it
-        costs the same), then the replay check. The repository re-checks the
-        recovered credential in constant time in the registering transaction."""
+        costs the same), then the replay checks (this process's, then every
+        process's). The repository re-checks the recovered credential in
+        constant time in the registering transaction."""
         assert m.proof is not None and m.ts_ms is not None and m.nonce is not None
         self.verifier.check_register_fresh(m.ts_ms)
         stored = await self.repo.host_credential_hash(host_id)
@@ -293,6 +311,7 @@ class HostHandlers:
         if stored is None or credential is None:
             raise Unauthorized("invalid host credentials")
         self.verifier.remember_register(host_id, m.nonce, m.ts_ms)
+        await self.replay.check(register_scope(host_id), m.nonce, m.ts_ms)
         return credential
 
     async def _host_verb(self, s: Session, m: wire.Message, may_wait: bool) -> bytes:

@@ -53,6 +53,7 @@ from fleetlease.transport.events import EventFanout
 from fleetlease.transport.host_handlers import HOST_VERBS, ControlPlaneLike, HostHandlers
 from fleetlease.transport.nats_connect import KEEPALIVE, server_list
 from fleetlease.transport.ops_channel import OpsChannel, OpsHandler
+from fleetlease.transport.replay import SharedReplay
 from fleetlease.transport.staging import StagingLimits
 from fleetlease.transport.subjects import Channel, Subjects, queue_group
 
@@ -185,6 +186,7 @@ class Server:
         control_plane: ControlPlaneLike,
         repo: Repository,
         server_secret: bytes,
+        replay_ledger: Repository | None = None,
         subjects: Subjects | None = None,
         ops: OpsHandler | None = None,
         timings: LeaseTimings | None = None,
@@ -211,6 +213,11 @@ class Server:
         # must not make every signature look stale.
         self.verifier = Verifier(
             server_secret, auth_clock or SystemClock(), subjects=self.subjects, **verifier_opts
+        )
+        #: Replay protection shared by every process of the fleet
+        #: (``transport.replay``), through ``replay_ledger`` (``repo`` if None).
+        self.replay = SharedReplay(
+            replay_ledger or repo, auth_clock or SystemClock(), window_s=self.verifier.window_s
         )
         self._connect_options = dict(connect_options or {})
         # JetStream (staging, object store) goes through a connection of its own
@@ -243,6 +250,7 @@ class Server:
             repo=repo,
             subjects=self.subjects,
             verifier=self.verifier,
+            replay=self.replay,
             server_secret=server_secret,
             timings=self.timings,
             heartbeat_s=heartbeat_s,
@@ -297,6 +305,7 @@ class Server:
             await self.events.start(events_nc)
             self.cp.add_listener(self.events.on_event)
             self.cp.add_listener(self.artifacts.on_attempt_event)
+            self.replay.start()
         except BaseException:
             await self.stop(grace_s=0)
             raise
@@ -378,6 +387,7 @@ class Server:
             with contextlib.suppress(Exception):
                 await self._storage_nc.close()
             self._storage_nc = None
+        await self.replay.stop()
         self.artifacts.close()
         if self._started:
             log.info("server_stopped")

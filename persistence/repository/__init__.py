@@ -50,6 +50,7 @@ from fleetlease.persistence.repository.cancel import CancelMixin
 from fleetlease.persistence.repository.drain import DrainMixin
 from fleetlease.persistence.repository.leases import Renewal
 from fleetlease.persistence.repository.reconcile import ReconcileMixin
+from fleetlease.persistence.repository.replay import ReplayMixin
 from fleetlease.persistence.repository.results import ResultMixin
 from fleetlease.persistence.repository.sidechannels import SideChannelMixin
 from fleetlease.persistence.repository.submit import SubmitMixin
@@ -70,6 +71,7 @@ class Repository(
     CancelMixin,
     ReconcileMixin,
     SideChannelMixin,
+    ReplayMixin,
 ):
     """The durable scheduling repository (see the package documentation above): one
     class composed of one mixin per role, each in its own module."""

@@ -488,6 +488,17 @@ class MiniRepo:
         self.timings = LeaseTimings()
         self.generations: dict[str, int] = {}
         self.hashes = dict(hashes or {})
+        self.nonces: set[tuple[str, bytes]] = set()
+
+    async def record_nonces(self, entries: Any, *, timeout_s: Any = None) -> list[bool]:
+        out = []
+        for scope, nonce, _expires_at in entries:
+            out.append((scope, nonce) not in self.nonces)
+            self.nonces.add((scope, nonce))
+        return out
+
+    async def prune_nonces(self, before: Any, *, batch: int = 5000) -> int:
+        return 0
 
     async def host_credential_hash(self, host_id: str) -> bytes | None:
         return self.hashes.get(host_id)

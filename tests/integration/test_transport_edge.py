@@ -61,6 +61,17 @@ class StubRepo:
         self.clock = SystemClock()
         self.timings = LeaseTimings()
         self.generations = generations
+        self.nonces: set[tuple[str, bytes]] = set()
+
+    async def record_nonces(self, entries: Any, *, timeout_s: Any = None) -> list[bool]:
+        out = []
+        for scope, nonce, _expires_at in entries:
+            out.append((scope, nonce) not in self.nonces)
+            self.nonces.add((scope, nonce))
+        return out
+
+    async def prune_nonces(self, before: Any, *, batch: int = 5000) -> int:
+        return 0
 
     async def current_generation(self, host_id: str) -> int | None:
         self.rec.calls.append(("current_generation", host_id))
