@@ -48,6 +48,10 @@ class BenchOptions:
     fleet_load_s: float = 30.0
     #: NATS connections the simulated hosts share.
     fleet_connections: int = 4
+    #: The simulated hosts send their complete snapshot in every heartbeat, as
+    #: agents that do not send digests do (False: only the digest of an
+    #: unchanged snapshot, as the agent does).
+    fleet_full_snapshots: bool = False
     database_url: str | None = None
     nats_url: str | None = None
     progress: Callable[[str], None] | None = field(default=None, repr=False, compare=False)

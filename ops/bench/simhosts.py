@@ -17,7 +17,9 @@ What makes them cheap, and how they differ from ``hostagent.Agent``:
   connections of its own (one per channel) and reconnects, re-registers and
   reconciles on its own;
 * a heartbeat's body is encoded once per change of the host's devices and only
-  signed per send;
+  signed per send; like the agent, a host sends only the digest of a snapshot
+  the control plane acknowledged, and heartbeats at once when a device turns
+  busy or idle;
 * no journal, no runner, no renewals (tasks take no time), no reconcile, no
   retry of a failed report, no device discovery: the devices are fixed;
 * a failed request is counted (by error code) and the claim retried after a
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
 import os
 import random
@@ -37,6 +40,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetlease.hostagent.session import snapshot_digest
 from fleetlease.persistence.model import Outcome
 from fleetlease.transport import wire
 from fleetlease.transport.auth import Signer
@@ -45,6 +49,13 @@ from fleetlease.transport.subjects import Subjects
 
 #: The fingerprint of a result is the sender's choice: any non-empty name.
 _FINGERPRINT = "sim-done"
+_CAPS = {"model": "sim", "os": "bench"}
+#: A claim back empty sooner than this waits out the rest (the agent's default).
+_MIN_POLL_INTERVAL_S = 1.0
+
+
+def _unchanged_body(digest: str) -> bytes:
+    return wire.encode_body(wire.Heartbeat(digest=digest, unchanged=True))
 
 
 class _Mux:
@@ -89,8 +100,12 @@ class SimHost:
     busy: set[str] = field(default_factory=set)
     #: Idle devices covered by a claim in flight -> that claim's number.
     covered: dict[str, int] = field(default_factory=dict)
-    heartbeat_body: bytes | None = None
-    next_heartbeat: float = 0.0
+    #: The complete heartbeat's body and digest (None: to encode again).
+    snapshot: tuple[bytes, str] | None = None
+    #: The digest of the last complete snapshot the control plane acknowledged.
+    acked: str | None = None
+    heartbeat_busy: bool = False
+    heartbeat_again: bool = False
 
 
 class SimFleet:
@@ -107,6 +122,7 @@ class SimFleet:
         claim_polls: int = 4,
         claim_wait_s: float = 20.0,
         timeout_s: float = 30.0,
+        digests: bool = True,
     ) -> None:
         self.nats_url = nats_url
         self.subjects = Subjects(prefix)
@@ -126,10 +142,16 @@ class SimFleet:
         self.held_at: dict[str, float] = {}
         self.errors: Counter[str] = Counter()
         self.heartbeats_sent = 0
+        self.heartbeats_unchanged = 0
+        #: Send only the digest of an unchanged snapshot (as the agent does);
+        #: False: the complete snapshot every time.
+        self.digests = digests
         self.heartbeat_rtt_s: list[float] = []
         self.claims_sent = 0
         self.claims_outstanding = 0
         self.done = 0
+        #: (when, host index) of the next heartbeat of every registered host.
+        self._due: list[tuple[float, int]] = []
 
     async def start(self, register_concurrency: int = 64) -> None:
         """Connect, register every host, start heartbeats and claims."""
@@ -150,19 +172,24 @@ class SimFleet:
         for i, (host_id, credential) in enumerate(self.credentials.items()):
             devices = [f"{host_id}-d{j}" for j in range(self.devices_per_host)]
             self.hosts.append(SimHost(host_id, credential, devices, muxes[i % len(muxes)]))
+        index = {h.host_id: i for i, h in enumerate(self.hosts)}
+        self._spawn(self._heartbeat_loop())
         sem = asyncio.Semaphore(register_concurrency)
 
-        async def register(h: SimHost) -> None:
+        async def attach(h: SimHost) -> None:
             async with sem:
-                await self._register(h)
-
-        await asyncio.gather(*(register(h) for h in self.hosts))
-        now = time.monotonic()
-        for h in self.hosts:
-            # Spread out, as hosts started at different times are.
-            h.next_heartbeat = now + random.random() * self.heartbeat_s
+                try:
+                    await self._register(h)
+                except (wire.RemoteError, TimeoutError) as exc:
+                    self.errors[f"register:{getattr(exc, 'code', 'timeout')}"] += 1
+                    return
+            # Heartbeats start within one period (hosts start at different
+            # times), claims at once.
+            first = time.monotonic() + random.random() * self.heartbeat_s
+            heapq.heappush(self._due, (first, index[h.host_id]))
             self._claim_uncovered(h)
-        self._spawn(self._heartbeat_loop())
+
+        await asyncio.gather(*(attach(h) for h in self.hosts))
 
     async def _register(self, h: SimHost) -> None:
         ts_ms = int(time.time() * 1000)
@@ -193,35 +220,74 @@ class SimFleet:
         return await h.mux.request(h.host_id, subject, data, self.timeout_s)
 
     # --- heartbeats --------------------------------------------------------------
-    def _heartbeat_body(self, h: SimHost) -> bytes:
-        if h.heartbeat_body is None:
+    def _snapshot(self, h: SimHost) -> tuple[bytes, str]:
+        """The complete heartbeat's body and its digest (encoded once per change)."""
+        if h.snapshot is None:
             devices = [
                 wire.Device(
-                    device_id=d,
-                    state="busy" if d in h.busy else "idle",
-                    capabilities={"model": "sim", "os": "bench"},
+                    device_id=d, state="busy" if d in h.busy else "idle", capabilities=_CAPS
                 )
                 for d in h.devices
             ]
-            h.heartbeat_body = wire.encode_body(wire.Heartbeat(devices=devices))
-        return h.heartbeat_body
+            digest = snapshot_digest(devices, None, "")
+            body = wire.encode_body(wire.Heartbeat(devices=devices, digest=digest))
+            h.snapshot = (body, digest)
+        return h.snapshot
+
+    def _changed(self, h: SimHost) -> None:
+        """A device changed state: heartbeat now, as the agent does."""
+        h.snapshot = None
+        if not self._stopping:
+            self._spawn(self._heartbeat(h))
 
     async def _heartbeat_loop(self) -> None:
+        """Every registered host's periodic heartbeats, from one timer queue."""
         while not self._stopping:
             now = time.monotonic()
-            for h in self.hosts:
-                if h.next_heartbeat <= now:
-                    h.next_heartbeat = now + self.heartbeat_s
-                    self._spawn(self._heartbeat(h))
+            while self._due and self._due[0][0] <= now:
+                _, i = heapq.heappop(self._due)
+                heapq.heappush(self._due, (now + self.heartbeat_s, i))
+                self._spawn(self._heartbeat(self.hosts[i]))
             await asyncio.sleep(0.02)
 
     async def _heartbeat(self, h: SimHost) -> None:
-        t0 = time.monotonic()
+        """One heartbeat (another after it if one was asked for meanwhile): only
+        the digest when the control plane holds this snapshot, else the
+        complete one; the complete one again when it answers ``conflict``."""
+        if h.heartbeat_busy:
+            h.heartbeat_again = True
+            return
+        h.heartbeat_busy = True
         try:
-            data = await self._signed(
-                h, self.subjects.heartbeat(h.host_id), "heartbeat", self._heartbeat_body(h)
-            )
+            again = True
+            while again and not self._stopping:
+                h.heartbeat_again = False
+                await self._heartbeat_once(h)
+                again = h.heartbeat_again
+        finally:
+            h.heartbeat_busy = False
+
+    async def _heartbeat_once(self, h: SimHost) -> None:
+        t0 = time.monotonic()
+        subject = self.subjects.heartbeat(h.host_id)
+        body, digest = self._snapshot(h)
+        try:
+            if self.digests and h.acked == digest:
+                try:
+                    data = await self._signed(h, subject, "heartbeat", _unchanged_body(digest))
+                    wire.decode_reply(data, wire.Ok)
+                    self.heartbeats_unchanged += 1
+                    self.heartbeats_sent += 1
+                    self.heartbeat_rtt_s.append(time.monotonic() - t0)
+                    return
+                except wire.RemoteError as exc:
+                    if exc.code != "conflict":
+                        raise
+                    self.errors["heartbeat:snapshot_unknown"] += 1
+            h.acked = None
+            data = await self._signed(h, subject, "heartbeat", body)
             wire.decode_reply(data, wire.Ok)
+            h.acked = digest
         except wire.RemoteError as exc:
             self.errors[f"heartbeat:{exc.code}"] += 1
             return
@@ -250,6 +316,7 @@ class SimFleet:
         body = wire.encode_body(wire.Claim(wait_s=self.claim_wait_s, devices=devices))
         assignment: wire.Assignment | None = None
         pause = 0.0
+        started = time.monotonic()
         self.claims_sent += 1
         self.claims_outstanding += 1
         try:
@@ -270,7 +337,10 @@ class SimFleet:
                     del h.covered[d]
         if assignment is not None:
             h.busy.add(assignment.device_id)
-            h.heartbeat_body = None
+            self._changed(h)
+        elif pause == 0.0 and time.monotonic() - started < _MIN_POLL_INTERVAL_S:
+            # Back empty at once (no long-poll slot free): paced as the agent paces.
+            pause = _MIN_POLL_INTERVAL_S - (time.monotonic() - started)
         if pause:
             await asyncio.sleep(pause)
         self._claim_uncovered(h)
@@ -305,7 +375,7 @@ class SimFleet:
             self.errors["task:timeout"] += 1
         finally:
             h.busy.discard(a.device_id)
-            h.heartbeat_body = None
+            self._changed(h)
             self._claim_uncovered(h)
 
     async def stop(self) -> None:
@@ -324,4 +394,3 @@ def cpu_s() -> float:
     """CPU seconds of this process (the simulated hosts, mostly)."""
     t = os.times()
     return t.user + t.system
-

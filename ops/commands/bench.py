@@ -45,6 +45,12 @@ def register(sub: Any) -> None:
         "--fleet-rate", type=float, default=100.0, help="tasks/s of the fleet's load (default 100)"
     )
     p.add_argument(
+        "--fleet-full-snapshots",
+        action="store_true",
+        help="the fleet's hosts send their complete device snapshot in every heartbeat "
+        "(default: only the digest of an unchanged one, as the agent does)",
+    )
+    p.add_argument(
         "--fleet-idle-s", type=float, default=30.0, help="the fleet's idle window (default 30)"
     )
     p.add_argument(
@@ -137,6 +143,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             fleet_rate=args.fleet_rate,
             fleet_idle_s=args.fleet_idle_s,
             fleet_load_s=args.fleet_load_s,
+            fleet_full_snapshots=args.fleet_full_snapshots,
             tasks=args.tasks,
             renew_leases=renew,
             recovery_leases=min(args.recovery_leases, renew),
