@@ -132,6 +132,7 @@ async def fleet_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
         devices_per_host=per_host,
         connections=opts.fleet_connections,
         digests=not opts.fleet_full_snapshots,
+        claim_wait_s=opts.fleet_claim_wait_s,
     )
     events = Events()
     report: dict[str, Any] = {
@@ -230,8 +231,14 @@ async def fleet_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
                 if delay > 0:
                     await asyncio.sleep(delay)
                 pending.add(asyncio.ensure_future(ops.call("submit", goal="bench", payload=ZERO)))
-            for reply in await asyncio.gather(*pending):
-                ids.append(str(reply["id"]))
+            submit_errors: dict[str, int] = {}
+            for reply in await asyncio.gather(*pending, return_exceptions=True):
+                if isinstance(reply, BaseException):
+                    # An overloaded control plane refuses submits: counted.
+                    what = f"{type(reply).__name__}: {str(reply)[:60]}"
+                    submit_errors[what] = submit_errors.get(what, 0) + 1
+                else:
+                    ids.append(str(reply["id"]))
             try:
                 await until_all(
                     events.watch(ids, "done"), len(set(ids)), "fleet tasks done", stall_s=30.0
@@ -245,6 +252,7 @@ async def fleet_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             **loaded,
             **_latencies(ids, events, sim.held_at),
             "errors": _diff(sim.errors, errors_before),
+            "submit_errors": submit_errors,
         }
         report["peak_rss_mib"] = round(serve.peak_rss() / 2**20, 1)
         report["load_average_at_end"] = _load()

@@ -52,6 +52,8 @@ class BenchOptions:
     #: agents that do not send digests do (False: only the digest of an
     #: unchanged snapshot, as the agent does).
     fleet_full_snapshots: bool = False
+    #: The long-poll wait of the simulated hosts' claims (the agent's default).
+    fleet_claim_wait_s: float = 20.0
     database_url: str | None = None
     nats_url: str | None = None
     progress: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
@@ -75,6 +77,7 @@ class BenchOptions:
             "fleet_rate",
             "fleet_idle_s",
             "fleet_load_s",
+            "fleet_claim_wait_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
@@ -84,6 +87,8 @@ class BenchOptions:
             isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate <= 100_000
         ):
             raise ValueError(f"paced_rate must be a number of tasks/s in (0, 100000], got {rate!r}")
+        if self.fleet_claim_wait_s > 60:
+            raise ValueError("fleet_claim_wait_s must be <= 60 (the protocol's longest claim)")
 
 
 def say(opts: BenchOptions, text: str) -> None:

@@ -18,8 +18,8 @@ What makes them cheap, and how they differ from ``hostagent.Agent``:
   reconciles on its own;
 * a heartbeat's body is encoded once per change of the host's devices and only
   signed per send; like the agent, a host sends only the digest of a snapshot
-  the control plane acknowledged, and heartbeats at once when a device turns
-  busy or idle;
+  the control plane acknowledged, and reports its devices busy while they run
+  a task (at the next periodic heartbeat);
 * no journal, no runner, no renewals (tasks take no time), no reconcile, no
   retry of a failed report, no device discovery: the devices are fixed;
 * a failed request is counted (by error code) and the claim retried after a
@@ -235,10 +235,9 @@ class SimFleet:
         return h.snapshot
 
     def _changed(self, h: SimHost) -> None:
-        """A device changed state: heartbeat now, as the agent does."""
+        """A device turned busy or idle: the next periodic heartbeat says so (as
+        the agent's, which does not heartbeat at once for its own leases)."""
         h.snapshot = None
-        if not self._stopping:
-            self._spawn(self._heartbeat(h))
 
     async def _heartbeat_loop(self) -> None:
         """Every registered host's periodic heartbeats, from one timer queue."""

@@ -51,6 +51,12 @@ def register(sub: Any) -> None:
         "(default: only the digest of an unchanged one, as the agent does)",
     )
     p.add_argument(
+        "--fleet-claim-wait-s",
+        type=float,
+        default=20.0,
+        help="long-poll wait of the fleet's claims (default 20, the agent's default; max 60)",
+    )
+    p.add_argument(
         "--fleet-idle-s", type=float, default=30.0, help="the fleet's idle window (default 30)"
     )
     p.add_argument(
@@ -144,6 +150,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             fleet_idle_s=args.fleet_idle_s,
             fleet_load_s=args.fleet_load_s,
             fleet_full_snapshots=args.fleet_full_snapshots,
+            fleet_claim_wait_s=args.fleet_claim_wait_s,
             tasks=args.tasks,
             renew_leases=renew,
             recovery_leases=min(args.recovery_leases, renew),

@@ -415,14 +415,14 @@ def _host_seen_stmt() -> Any:
 
 
 def _host_alive_stmt() -> Any:
-    """A heartbeat "unchanged since <digest>": last_seen only; returns the stored
-    tag, when it was written, and the last change of any device row of the host
-    (the control plane changes some: an expiry holds a device)."""
+    """A heartbeat "unchanged since <digest>": last_seen only, and only if the
+    stored tag is that digest and no device row of the host changed since it
+    was written (the control plane changes some: an expiry holds a device).
+    One statement, atomic by itself; no row: refused (``heartbeat_unchanged``
+    tells why)."""
     host_id = sa.bindparam("p_host_id", type_=sa.Text)
-    changed_at = (
-        sa.select(sa.func.max(devices.c.updated_at))
-        .where(devices.c.host_id == host_id)
-        .scalar_subquery()
+    changed_since = sa.exists().where(
+        devices.c.host_id == host_id, devices.c.updated_at > hosts.c.devices_synced_at
     )
     return (
         hosts.update()
@@ -431,11 +431,12 @@ def _host_alive_stmt() -> Any:
             hosts.c.session_generation == sa.bindparam("p_generation", type_=sa.Integer),
             hosts.c.session_generation > 0,
             hosts.c.revoked_at.is_(None),
+            hosts.c.devices_digest == sa.bindparam("p_digest", type_=sa.Text),
+            hosts.c.devices_synced_at.is_not(None),
+            ~changed_since,
         )
         .values(last_seen=sa.bindparam("p_now", type_=hosts.c.last_seen.type))
-        .returning(
-            hosts.c.devices_digest, hosts.c.devices_synced_at, changed_at.label("changed_at")
-        )
+        .returning(hosts.c.host_id)
     )
 
 

@@ -245,30 +245,38 @@ class HostMixin(ExpiryMixin):
             raise Invalid("digest is required", field="digest")
 
         async def run(conn: AsyncConnection, now: datetime) -> None:
-            row = (
+            alive = (
                 await conn.execute(
                     _prebuilt("host_alive", _host_alive_stmt),
                     {
                         "p_host_id": session.host_id,
                         "p_generation": session.generation,
                         "p_now": now,
+                        "p_digest": digest,
                     },
                 )
             ).first()
-            if row is None:
-                raise _unauthorized(session)
-            if (
-                row.devices_digest != digest
-                or row.devices_synced_at is None
-                or (row.changed_at is not None and row.changed_at > row.devices_synced_at)
-            ):
-                raise Conflict(
-                    "device snapshot unknown: send the complete snapshot",
-                    reason="snapshot_unknown",
-                    host_id=session.host_id,
+            if alive is not None:
+                return
+            row = (
+                await conn.execute(
+                    _prebuilt("host_row", _host_row_stmt), {"host_id": session.host_id}
                 )
+            ).first()
+            if (
+                row is None
+                or row.revoked_at is not None
+                or row.session_generation != session.generation
+            ):
+                raise _unauthorized(session)
+            raise Conflict(
+                "device snapshot unknown: send the complete snapshot",
+                reason="snapshot_unknown",
+                host_id=session.host_id,
+            )
 
-        await self._tx("heartbeat_unchanged", run, driver=True)
+        # One conditional write, atomic by itself: no BEGIN / COMMIT round trips.
+        await self._tx("heartbeat_unchanged", run, autocommit=True, driver=True)
 
     async def _replace_devices(
         self, conn: AsyncConnection, now: datetime, host_id: str, snapshot: list[DeviceSnapshot]
