@@ -213,11 +213,14 @@ class SimFleet:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _signed(self, h: SimHost, subject: str, msg_type: str, body: bytes) -> bytes:
+    async def _signed(
+        self, h: SimHost, subject: str, msg_type: str, body: bytes, wait_s: float = 0.0
+    ) -> bytes:
+        """A signed request; its reply may take ``wait_s`` (a claim's wait) more."""
         assert h.signer is not None
         auth = h.signer.auth(subject, msg_type, body)
         data = wire.encode_envelope(msg_type, body, auth)
-        return await h.mux.request(h.host_id, subject, data, self.timeout_s)
+        return await h.mux.request(h.host_id, subject, data, self.timeout_s + wait_s)
 
     # --- heartbeats --------------------------------------------------------------
     def _snapshot(self, h: SimHost) -> tuple[bytes, str]:
@@ -319,7 +322,9 @@ class SimFleet:
         self.claims_sent += 1
         self.claims_outstanding += 1
         try:
-            data = await self._signed(h, self.subjects.claim(h.host_id), "claim", body)
+            data = await self._signed(
+                h, self.subjects.claim(h.host_id), "claim", body, self.claim_wait_s
+            )
             reply = wire.decode_reply(data, (wire.Assignment, wire.NoWork))
             if isinstance(reply, wire.Assignment):
                 assignment = reply
