@@ -339,10 +339,18 @@ class ControlPlane:
         session: Session,
         devices: Sequence[DeviceSnapshot],
         advert: HostAdvert | None = None,
+        *,
+        digest: str | None = None,
     ) -> None:
         async with self._request():
-            await self._bounded(self.repo.heartbeat(session, devices, advert))
+            await self._bounded(self.repo.heartbeat(session, devices, advert, digest=digest))
         self.supervisor.wake_scheduler()
+
+    async def heartbeat_unchanged(self, session: Session, digest: str) -> None:
+        """A heartbeat without a snapshot (``Repository.heartbeat_unchanged``):
+        nothing the Scheduler matches on changed, so it is not woken."""
+        async with self._request():
+            await self._bounded(self.repo.heartbeat_unchanged(session, digest))
 
     async def reconcile(self, session: Session, entries: Sequence[JournalEntry]) -> ReconcileReport:
         async with self._request():

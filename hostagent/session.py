@@ -29,9 +29,11 @@ stops, every device is reported offline.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
+import msgpack
 import structlog
 from nats.errors import Error as NatsError
 
@@ -88,6 +90,9 @@ class Session:
         self._resync_task: asyncio.Task[None] | None = None
         #: Loop time of the first of the current run of authorization refusals.
         self._refused_since: float | None = None
+        #: (session generation, digest) of the last complete snapshot the
+        #: control plane acknowledged: heartbeats then send only the digest.
+        self._snapshot_sent: tuple[int | None, str] | None = None
 
     def client_or_fail(self) -> HostClient:
         if self.client is None:
@@ -370,12 +375,55 @@ class Session:
             await self.send_heartbeat()
 
     async def send_heartbeat(self) -> None:
+        """The snapshot, or, when it is the one the control plane acknowledged
+        last in this session, only its digest (one row written there instead of
+        one per device); the complete snapshot again when the control plane
+        answers that it does not hold that one."""
+        devices = self.snapshot()
+        client = self.client_or_fail()
+        digest = snapshot_digest(
+            devices, client.advertised_workflows, client.advertised_goal_runner
+        )
+        timeout_s = self._config.request_timeout_s
         try:
-            await self.call(
-                lambda c: c.heartbeat(self.snapshot()), timeout_s=self._config.request_timeout_s
+            sent = self._snapshot_sent
+            if sent is not None and sent == (client.generation, digest):
+                try:
+                    await self.call(lambda c: c.heartbeat_unchanged(digest), timeout_s=timeout_s)
+                    self._state.stats.heartbeats_sent += 1
+                    return
+                except RemoteError as exc:
+                    if exc.code != "conflict":
+                        raise
+            self._snapshot_sent = None
+            generation = await self.call(
+                lambda c: _full_heartbeat(c, devices, digest), timeout_s=timeout_s
             )
+            self._snapshot_sent = (generation, digest)
             self._state.stats.heartbeats_sent += 1
         except RemoteError as exc:
             log.warning(
                 "heartbeat_failed", host_id=self._config.host_id, code=exc.code, error=exc.message
             )
+
+
+async def _full_heartbeat(
+    client: HostClient, devices: list[wire.Device], digest: str
+) -> int | None:
+    """Send the complete snapshot; returns the generation of the session it was
+    sent in (the session may be renewed under a call)."""
+    generation = client.generation
+    await client.heartbeat(devices, digest=digest)
+    return generation
+
+
+def snapshot_digest(
+    devices: list[wire.Device], workflows: list[str] | None, goal_runner: str
+) -> str:
+    """The tag of a heartbeat's snapshot: a SHA-256 of what it says."""
+    doc = [
+        [[d.device_id, d.state, sorted(d.capabilities.items())] for d in devices],
+        workflows,
+        goal_runner,
+    ]
+    return hashlib.sha256(msgpack.packb(doc, use_bin_type=True)).hexdigest()[:32]

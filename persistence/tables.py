@@ -75,6 +75,11 @@ hosts = sa.Table(
     # assignment; past the deadline (if any) its active attempts are handed back.
     sa.Column("drain_requested_at", TS),
     sa.Column("drain_deadline", TS),
+    # The host's tag of its last complete device snapshot this session (NULL:
+    # none) and when it was written: a heartbeat "unchanged since <tag>" then
+    # writes last_seen only (see persistence/repository/hosts.py).
+    sa.Column("devices_digest", sa.Text),
+    sa.Column("devices_synced_at", TS),
 )
 
 devices = sa.Table(

@@ -220,7 +220,9 @@ class HostClient:
         self.heartbeat_s = ok.heartbeat_s
         return ok
 
-    async def heartbeat(self, devices: Sequence[wire.Device]) -> None:
+    async def heartbeat(self, devices: Sequence[wire.Device], digest: str | None = None) -> None:
+        """The complete snapshot (``digest``: the host's tag of it, for
+        :meth:`heartbeat_unchanged`)."""
         await self._signed(
             Channel.CONTROL,
             self.subjects.heartbeat(self.host_id),
@@ -228,7 +230,19 @@ class HostClient:
                 devices=list(devices),
                 workflows=self.advertised_workflows,
                 goal_runner=self.advertised_goal_runner,
+                digest=digest,
             ),
+            wire.Ok,
+        )
+
+    async def heartbeat_unchanged(self, digest: str) -> None:
+        """A heartbeat without a snapshot: the host's is still the one sent with
+        ``digest`` this session. ``RemoteError`` ``conflict`` when the control
+        plane does not hold that one: send the complete snapshot then."""
+        await self._signed(
+            Channel.CONTROL,
+            self.subjects.heartbeat(self.host_id),
+            wire.Heartbeat(digest=digest, unchanged=True),
             wire.Ok,
         )
 

@@ -89,8 +89,15 @@ class ControlPlaneLike(Protocol):
     async def register(self, host_id: str, credential: str) -> Session: ...
 
     async def heartbeat(
-        self, session: Session, devices: list[DeviceSnapshot], advert: HostAdvert | None = None
+        self,
+        session: Session,
+        devices: list[DeviceSnapshot],
+        advert: HostAdvert | None = None,
+        *,
+        digest: str | None = None,
     ) -> Any: ...
+
+    async def heartbeat_unchanged(self, session: Session, digest: str) -> Any: ...
 
     async def reconcile(self, session: Session, entries: list[JournalEntry]) -> Any: ...
 
@@ -317,6 +324,10 @@ class HostHandlers:
     async def _host_verb(self, s: Session, m: wire.Message, may_wait: bool) -> bytes:
         cp = self.cp
         if isinstance(m, wire.Heartbeat):
+            if m.unchanged:
+                assert m.digest is not None  # the decoder checked it
+                await cp.heartbeat_unchanged(s, m.digest)
+                return wire.encode_reply(wire.Ok())
             await cp.heartbeat(
                 s,
                 [
@@ -329,6 +340,7 @@ class HostHandlers:
                     workflows=None if m.workflows is None else tuple(m.workflows),
                     goal_runner=m.goal_runner,
                 ),
+                digest=m.digest,
             )
             return wire.encode_reply(wire.Ok())
         if isinstance(m, wire.Reconcile):

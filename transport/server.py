@@ -124,12 +124,17 @@ DEFAULT_CHANNELS: dict[Channel, ChannelConfig] = {
     # A host has one heartbeat (register, reconcile) in flight at a time.
     Channel.CONTROL: ChannelConfig(workers=64, principal_requests=8, principal_bytes=4 * _MIB),
     # One lease message per device may be in flight (renewals of a full host).
+    # long_poll: the parked claims; an idle agent parks up to four
+    # (``claim_polls``), so 16,384 hold 4,096 idle hosts' (a parked claim costs
+    # a few KiB). Under load an agent covers each device freed by a finished
+    # attempt with a claim of its own, so one host may park up to one claim per
+    # idle device: principal_polls lets a 64-device host do so.
     Channel.JOBS: ChannelConfig(
         workers=256,
-        long_poll=4096,
+        long_poll=16384,
         principal_requests=wire.MAX_DEVICES,
         principal_bytes=8 * _MIB,
-        principal_polls=16,
+        principal_polls=64,
     ),
     # Every running attempt of a host may be appending logs (one per device).
     Channel.LOGS: ChannelConfig(

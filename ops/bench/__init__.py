@@ -10,6 +10,8 @@ each figure means is in ``runner.py``. Its modules, one role each:
   databases; pgbench and the NATS round trip;
 - ``fleet``: ``fleetlease serve`` as a child process, task events, the timed agent;
 - ``throughput``, ``leases``, ``peers``, ``floor``: the cells;
+- ``fleetcell`` (``--fleet``, alone) and ``simhosts``, its simulated hosts: a
+  whole fleet on one control plane;
 - ``measure``: percentiles, waits with deadlines, CPU and commit counters.
 
 Stand-alone benchmarks of one layer, each ``python -m``:

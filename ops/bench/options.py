@@ -39,12 +39,27 @@ class BenchOptions:
     cancel_backlog: int = 2000
     cancel_count: int = 50
     cancel_lease_s: float = 9.0
+    #: Run the fleet cell only (``ops/bench/fleetcell.py``): ``hosts`` simulated
+    #: hosts of ``devices_per_host`` devices, idle for ``fleet_idle_s``, then
+    #: zero-duration tasks at ``fleet_rate`` for ``fleet_load_s``.
+    fleet: bool = False
+    fleet_rate: float = 100.0
+    fleet_idle_s: float = 30.0
+    fleet_load_s: float = 30.0
+    #: NATS connections the simulated hosts share.
+    fleet_connections: int = 4
+    #: The simulated hosts send their complete snapshot in every heartbeat, as
+    #: agents that do not send digests do (False: only the digest of an
+    #: unchanged snapshot, as the agent does).
+    fleet_full_snapshots: bool = False
+    #: The long-poll wait of the simulated hosts' claims (the agent's default).
+    fleet_claim_wait_s: float = 20.0
     database_url: str | None = None
     nats_url: str | None = None
     progress: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("hosts", "devices_per_host", "tasks", "cancel_count"):
+        for name in ("hosts", "devices_per_host", "tasks", "cancel_count", "fleet_connections"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -54,7 +69,16 @@ class BenchOptions:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.recovery_leases > self.renew_leases:
             raise ValueError("recovery_leases must be <= renew_leases (they are reused)")
-        for name in ("renew_period_s", "renew_burst_s", "calibration_s", "cancel_lease_s"):
+        for name in (
+            "renew_period_s",
+            "renew_burst_s",
+            "calibration_s",
+            "cancel_lease_s",
+            "fleet_rate",
+            "fleet_idle_s",
+            "fleet_load_s",
+            "fleet_claim_wait_s",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -63,6 +87,8 @@ class BenchOptions:
             isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate <= 100_000
         ):
             raise ValueError(f"paced_rate must be a number of tasks/s in (0, 100000], got {rate!r}")
+        if self.fleet_claim_wait_s > 60:
+            raise ValueError("fleet_claim_wait_s must be <= 60 (the protocol's longest claim)")
 
 
 def say(opts: BenchOptions, text: str) -> None:

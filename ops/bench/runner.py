@@ -49,6 +49,11 @@ Everything is measured in one run, on this machine, beside its calibration:
   its ops reply, to the host learning it (its runner's ``ctx.cancelled``) and to
   the attempt ending ``cancelled``, p50/p99/max, beside the hosts' renewal
   interval (``ops/bench/cancel.py``).
+* **fleet** (``--fleet``, alone): ``--hosts`` simulated hosts (default 2,000)
+  of ``--devices-per-host`` devices (default 50) speaking the host protocol from
+  one process, attached to one ``serve``: its cores with the fleet idle, RSS per
+  device, the cost of a heartbeat, and assignment and dispatch latency at
+  ``--fleet-rate`` tasks/s (``ops/bench/fleetcell.py``).
 * **peers** (``--peers``): the same N zero-duration jobs through procrastinate and
   pgqueuer (extra ``bench``), each alone on a scratch database of the same
   PostgreSQL, with the same worker concurrency (hosts x devices per host).
@@ -85,6 +90,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 async def run(opts: BenchOptions) -> dict[str, Any]:
     """Run every cell; returns the report (the JSON of ``fleetlease bench --json``)."""
+    if opts.fleet:
+        return await run_fleet(opts)
     work = Path(tempfile.mkdtemp(prefix="fleetlease-bench-"))
     try:
         async with servers(opts, work) as srv:
@@ -166,6 +173,33 @@ async def run(opts: BenchOptions) -> dict[str, Any]:
             report["ratios"] = ratios
     except Exception as exc:
         # Keep the control plane's logs for a post-mortem.
+        raise BenchError(f"{type(exc).__name__}: {exc} (logs kept in {work})") from exc
+    shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+async def run_fleet(opts: BenchOptions) -> dict[str, Any]:
+    """The fleet cell alone (``fleetlease bench --fleet``)."""
+    from fleetlease.ops.bench.fleetcell import fleet_cell
+
+    work = Path(tempfile.mkdtemp(prefix="fleetlease-bench-"))
+    try:
+        async with servers(opts, work) as srv:
+            report: dict[str, Any] = {
+                "schema": SCHEMA,
+                "setup": {
+                    "hosts": opts.hosts,
+                    "devices_per_host": opts.devices_per_host,
+                    "control_plane": f"fleetlease serve subprocess, {eventloop.loop_name()} loop",
+                    "cpus": os.cpu_count(),
+                    "embedded": srv.embedded,
+                    "python": sys.version.split()[0],
+                },
+            }
+            async with scratch_database(srv.database_url, "fleet") as db_url:
+                fleet = await setup_fleet(db_url, srv.nats_url, work)
+                report["fleet"] = await fleet_cell(opts, fleet)
+    except Exception as exc:
         raise BenchError(f"{type(exc).__name__}: {exc} (logs kept in {work})") from exc
     shutil.rmtree(work, ignore_errors=True)
     return report

@@ -26,9 +26,41 @@ def register(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--hosts", type=int, default=4, help="simulated agents (default 4)")
     p.add_argument(
-        "--devices-per-host", type=int, default=16, help="devices of each agent (default 16)"
+        "--hosts", type=int, default=None, help="simulated agents (default 4; --fleet: 2000)"
+    )
+    p.add_argument(
+        "--devices-per-host",
+        type=int,
+        default=None,
+        help="devices of each agent (default 16; --fleet: 50)",
+    )
+    p.add_argument(
+        "--fleet",
+        action="store_true",
+        help="run the fleet cell alone: a whole fleet of simulated hosts on one serve "
+        "(idle cost, memory per device, latency at --fleet-rate)",
+    )
+    p.add_argument(
+        "--fleet-rate", type=float, default=100.0, help="tasks/s of the fleet's load (default 100)"
+    )
+    p.add_argument(
+        "--fleet-full-snapshots",
+        action="store_true",
+        help="the fleet's hosts send their complete device snapshot in every heartbeat "
+        "(default: only the digest of an unchanged one, as the agent does)",
+    )
+    p.add_argument(
+        "--fleet-claim-wait-s",
+        type=float,
+        default=20.0,
+        help="long-poll wait of the fleet's claims (default 20, the agent's default; max 60)",
+    )
+    p.add_argument(
+        "--fleet-idle-s", type=float, default=30.0, help="the fleet's idle window (default 30)"
+    )
+    p.add_argument(
+        "--fleet-load-s", type=float, default=30.0, help="the fleet's load window (default 30)"
     )
     p.add_argument("--tasks", type=int, default=5000, help="zero-duration tasks (default 5000)")
     p.add_argument(
@@ -106,9 +138,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     try:
         renew = args.renew_leases
+        hosts = args.hosts if args.hosts is not None else (2000 if args.fleet else 4)
+        per_host = args.devices_per_host
+        if per_host is None:
+            per_host = 50 if args.fleet else 16
         opts = BenchOptions(
-            hosts=args.hosts,
-            devices_per_host=args.devices_per_host,
+            hosts=hosts,
+            devices_per_host=per_host,
+            fleet=args.fleet,
+            fleet_rate=args.fleet_rate,
+            fleet_idle_s=args.fleet_idle_s,
+            fleet_load_s=args.fleet_load_s,
+            fleet_full_snapshots=args.fleet_full_snapshots,
+            fleet_claim_wait_s=args.fleet_claim_wait_s,
             tasks=args.tasks,
             renew_leases=renew,
             recovery_leases=min(args.recovery_leases, renew),
@@ -145,6 +187,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             signal.signal(s, handler)
     if args.json:
         print_json(report)
+    elif "fleet" in report:
+        print_fleet_report(report)
     else:
         print_report(report)
     return EXIT_OK
@@ -183,6 +227,54 @@ def _lat(d: dict[str, Any] | None) -> str:
     if not d or not d.get("n"):
         return "-"
     return f"{d['p50_ms']:.2f} / {d['p99_ms']:.2f} / {d['max_ms']:.2f} ms"
+
+
+def print_fleet_report(r: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from fleetlease.ops.render import console
+
+    f = r["fleet"]
+    table = Table(
+        title=(
+            f"fleetlease bench --fleet: {f['hosts']:,} hosts x {f['devices_per_host']} devices "
+            f"({f['simulated_hosts']}; load average {f['load_average_at_start']})"
+        )
+    )
+    table.add_column("phase")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    e, i, m, ld = f["empty"], f["idle"], f["memory"], f["load"]
+    table.add_row("empty", "control-plane cores, no host", _f(e["control_plane_cores"], "", 3))
+    table.add_row("attach", "every host registered in", _f(f["attach_s"], " s", 1))
+    table.add_row("idle", "control-plane cores", _f(i["control_plane_cores"], "", 3))
+    table.add_row("", "machine cores (of the whole machine)", _f(i["machine_cores"], "", 2))
+    table.add_row("", "heartbeats/s, claims/s", f"{i['heartbeats_per_s']} / {i['claims_per_s']}")
+    table.add_row("", "claims parked (mean)", f"{i['claims_parked_mean']:,}")
+    table.add_row(
+        "", "control-plane CPU per heartbeat", _f(i["control_plane_cpu_ms_per_heartbeat"], " ms", 3)
+    )
+    table.add_row("", "commits per heartbeat", _f(i["commits_per_heartbeat"], "", 3))
+    table.add_row(
+        "", "device rows written per heartbeat", _f(i["device_rows_written_per_heartbeat"], "", 3)
+    )
+    table.add_row("", "WAL bytes per heartbeat", f"{i['wal_bytes_per_heartbeat']:,}")
+    table.add_row("", "heartbeat round trip", _lat(i["heartbeat_round_trip"]))
+    table.add_row("", "errors", str(i["errors"] or "none"))
+    rss = f"{m['rss_empty_mib']} / {m['rss_attached_mib']} MiB"
+    table.add_row("memory", "RSS empty / attached", rss)
+    table.add_row("", "RSS per device (attached - empty)", _f(m["kib_per_device"], " KiB", 2))
+    table.add_row(f"load {ld['rate_per_s']:g}/s", "assignment latency", _lat(ld["assignment"]))
+    table.add_row("", "dispatch latency", _lat(ld["dispatch"]))
+    table.add_row("", "control-plane cores", _f(ld["control_plane_cores"], "", 3))
+    table.add_row("", "errors", str(ld["errors"] or "none"))
+    for name, t in f["targets"].items():
+        table.add_row(
+            "targets" if name == "idle_cores" else "",
+            f"{name} < {t['target']:g}",
+            f"{'met' if t['met'] else 'NOT met'} ({t['measured']})",
+        )
+    console().print(table)
 
 
 def print_report(r: dict[str, Any]) -> None:

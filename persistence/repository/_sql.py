@@ -396,6 +396,7 @@ def _host_row_stmt() -> Any:
 
 
 def _host_seen_stmt() -> Any:
+    """A complete heartbeat: last_seen, and the tag of the snapshot it carries."""
     return (
         hosts.update()
         .where(
@@ -403,6 +404,36 @@ def _host_seen_stmt() -> Any:
             hosts.c.session_generation == sa.bindparam("p_generation", type_=sa.Integer),
             hosts.c.session_generation > 0,
             hosts.c.revoked_at.is_(None),
+        )
+        .values(
+            last_seen=sa.bindparam("p_now", type_=hosts.c.last_seen.type),
+            devices_digest=sa.bindparam("p_digest", type_=sa.Text),
+            devices_synced_at=sa.bindparam("p_now", type_=hosts.c.last_seen.type),
+        )
+        .returning(hosts.c.host_id)
+    )
+
+
+def _host_alive_stmt() -> Any:
+    """A heartbeat "unchanged since <digest>": last_seen only, and only if the
+    stored tag is that digest and no device row of the host changed since it
+    was written (the control plane changes some: an expiry holds a device).
+    One statement, atomic by itself; no row: refused (``heartbeat_unchanged``
+    tells why)."""
+    host_id = sa.bindparam("p_host_id", type_=sa.Text)
+    changed_since = sa.exists().where(
+        devices.c.host_id == host_id, devices.c.updated_at > hosts.c.devices_synced_at
+    )
+    return (
+        hosts.update()
+        .where(
+            hosts.c.host_id == host_id,
+            hosts.c.session_generation == sa.bindparam("p_generation", type_=sa.Integer),
+            hosts.c.session_generation > 0,
+            hosts.c.revoked_at.is_(None),
+            hosts.c.devices_digest == sa.bindparam("p_digest", type_=sa.Text),
+            hosts.c.devices_synced_at.is_not(None),
+            ~changed_since,
         )
         .values(last_seen=sa.bindparam("p_now", type_=hosts.c.last_seen.type))
         .returning(hosts.c.host_id)
@@ -416,7 +447,38 @@ def _devices_gone_stmt() -> Any:
     )
 
 
-def _devices_upsert_stmt() -> Any:
+def _devices_changed_stmt() -> Any:
+    """The host's device rows whose state or capabilities differ from the
+    snapshot, rewritten; the others are neither written nor locked. Rows locked
+    in device order, as every statement that locks several device rows does."""
+    host_id = sa.bindparam("p_host_id", type_=sa.Text)
+    r = _unnest_params("r", device_id=sa.Text, state=sa.Text, capabilities=sa.Text)
+    caps = sa.cast(r.c.capabilities, devices.c.capabilities.type)
+    changed = (
+        sa.select(devices.c.device_id, r.c.state, caps.label("capabilities"))
+        .select_from(devices.join(r, r.c.device_id == devices.c.device_id))
+        .where(
+            devices.c.host_id == host_id,
+            sa.or_(devices.c.state != r.c.state, devices.c.capabilities != caps),
+        )
+        .order_by(devices.c.device_id)
+        .with_for_update(of=devices)
+        .cte("changed")
+    )
+    return (
+        devices.update()
+        .where(devices.c.host_id == host_id, devices.c.device_id == changed.c.device_id)
+        .values(
+            state=changed.c.state,
+            capabilities=changed.c.capabilities,
+            updated_at=sa.bindparam("p_now", type_=devices.c.updated_at.type),
+        )
+    )
+
+
+def _devices_new_stmt() -> Any:
+    """The snapshot's devices the host has no row for yet, inserted (existing
+    rows are left alone, unlocked)."""
     r = _unnest_params("r", device_id=sa.Text, state=sa.Text, capabilities=sa.Text)
     stmt = pg_insert(devices).from_select(
         ["host_id", "device_id", "state", "capabilities", "updated_at"],
@@ -428,18 +490,7 @@ def _devices_upsert_stmt() -> Any:
             sa.bindparam("p_now", type_=devices.c.updated_at.type),
         ),
     )
-    return stmt.on_conflict_do_update(
-        index_elements=[devices.c.host_id, devices.c.device_id],
-        set_={
-            "state": stmt.excluded.state,
-            "capabilities": stmt.excluded.capabilities,
-            "updated_at": stmt.excluded.updated_at,
-        },
-        where=sa.or_(
-            devices.c.state != stmt.excluded.state,
-            devices.c.capabilities != stmt.excluded.capabilities,
-        ),
-    )
+    return stmt.on_conflict_do_nothing(index_elements=[devices.c.host_id, devices.c.device_id])
 
 
 #: The user of a token hash (``authenticate_user``, on the driver's connection).

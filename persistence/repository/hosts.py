@@ -19,8 +19,10 @@ from fleetlease.persistence.model import DeviceSnapshot, EndReason, Expired, Hos
 from fleetlease.persistence.repository._sql import (
     _ACTIVE,
     _FENCE_COLUMNS,
+    _devices_changed_stmt,
     _devices_gone_stmt,
-    _devices_upsert_stmt,
+    _devices_new_stmt,
+    _host_alive_stmt,
     _host_row_stmt,
     _host_seen_stmt,
     _prebuilt,
@@ -149,6 +151,9 @@ class HostMixin(ExpiryMixin):
                         session_generation=hosts.c.session_generation + 1,
                         session_started_at=now,
                         last_seen=now,
+                        # A new session sends its complete snapshot first.
+                        devices_digest=None,
+                        devices_synced_at=None,
                     )
                     .returning(hosts.c.session_generation)
                 )
@@ -190,11 +195,18 @@ class HostMixin(ExpiryMixin):
         session: Session,
         devices: Sequence[DeviceSnapshot],
         advert: HostAdvert | None = None,
+        *,
+        digest: str | None = None,
     ) -> None:
-        """Refresh last_seen and replace only this host's device records; with
-        ``advert``, store what the host serves (see ``persistence.matching``)."""
+        """Refresh last_seen and make this host's device records the snapshot's:
+        rows of devices gone from it deleted, changed ones rewritten, new ones
+        inserted; an unchanged row is neither written nor locked. With
+        ``advert``, store what the host serves (see ``persistence.matching``).
+        ``digest`` is the host's tag of this snapshot, kept for
+        :meth:`heartbeat_unchanged`."""
         _check_session(session)
         snapshot = _check_devices(devices)
+        _check_digest(digest)
         try:
             advertised = None if advert is None else advert_params(session.host_id, advert)
         except ValueError as exc:
@@ -208,6 +220,7 @@ class HostMixin(ExpiryMixin):
                         "p_host_id": session.host_id,
                         "p_generation": session.generation,
                         "p_now": now,
+                        "p_digest": digest,
                     },
                 )
             ).first()
@@ -218,6 +231,52 @@ class HostMixin(ExpiryMixin):
             await self._replace_devices(conn, now, session.host_id, snapshot)
 
         await self._tx("heartbeat", run, driver=True)
+
+    async def heartbeat_unchanged(self, session: Session, digest: str) -> None:
+        """A heartbeat without a snapshot: the host's is still the one its last
+        complete heartbeat of this session tagged ``digest``. Refreshes
+        last_seen only (one row). ``Conflict`` (reason ``snapshot_unknown``),
+        nothing written, when the stored tag is another or none, or a device
+        row of the host changed since it was written (the control plane holds
+        a device at an expiry): the host then sends its complete snapshot."""
+        _check_session(session)
+        _check_digest(digest)
+        if digest is None:
+            raise Invalid("digest is required", field="digest")
+
+        async def run(conn: AsyncConnection, now: datetime) -> None:
+            alive = (
+                await conn.execute(
+                    _prebuilt("host_alive", _host_alive_stmt),
+                    {
+                        "p_host_id": session.host_id,
+                        "p_generation": session.generation,
+                        "p_now": now,
+                        "p_digest": digest,
+                    },
+                )
+            ).first()
+            if alive is not None:
+                return
+            row = (
+                await conn.execute(
+                    _prebuilt("host_row", _host_row_stmt), {"host_id": session.host_id}
+                )
+            ).first()
+            if (
+                row is None
+                or row.revoked_at is not None
+                or row.session_generation != session.generation
+            ):
+                raise _unauthorized(session)
+            raise Conflict(
+                "device snapshot unknown: send the complete snapshot",
+                reason="snapshot_unknown",
+                host_id=session.host_id,
+            )
+
+        # One conditional write, atomic by itself: no BEGIN / COMMIT round trips.
+        await self._tx("heartbeat_unchanged", run, autocommit=True, driver=True)
 
     async def _replace_devices(
         self, conn: AsyncConnection, now: datetime, host_id: str, snapshot: list[DeviceSnapshot]
@@ -230,14 +289,19 @@ class HostMixin(ExpiryMixin):
         )
         if not snapshot:
             return
-        # Unchanged rows are not rewritten: updated_at is the time of the last change.
-        await conn.execute(
-            _prebuilt("devices_upsert", _devices_upsert_stmt),
-            {
-                "p_host_id": host_id,
-                "p_now": now,
-                "r_device_id": ids,
-                "r_state": [d.state for d in snapshot],
-                "r_capabilities": [json.dumps(d.capabilities) for d in snapshot],
-            },
-        )
+        # Unchanged rows are not rewritten (nor locked): updated_at is the time
+        # of the last change.
+        rows = {
+            "p_host_id": host_id,
+            "p_now": now,
+            "r_device_id": ids,
+            "r_state": [d.state for d in snapshot],
+            "r_capabilities": [json.dumps(d.capabilities) for d in snapshot],
+        }
+        await conn.execute(_prebuilt("devices_changed", _devices_changed_stmt), rows)
+        await conn.execute(_prebuilt("devices_new", _devices_new_stmt), rows)
+
+
+def _check_digest(digest: object) -> None:
+    if digest is not None and (not isinstance(digest, str) or not 0 < len(digest) <= 128):
+        raise Invalid("digest must be a string of 1-128 characters", field="digest")

@@ -525,7 +525,9 @@ class MiniControlPlane:
         self.repo.generations[host_id] = gen
         return Session(host_id=host_id, generation=gen)
 
-    async def heartbeat(self, s: Session, devices: Any, advert: Any = None) -> None:
+    async def heartbeat(
+        self, s: Session, devices: Any, advert: Any = None, *, digest: Any = None
+    ) -> None:
         self.heartbeats.append((s, devices))
 
     async def claim(self, s: Session, *, wait_s: float, device_ids: Any = ()) -> Claimed:

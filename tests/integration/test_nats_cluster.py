@@ -108,8 +108,10 @@ async def _cluster_ready(nodes: list[Node]) -> None:
 
     await eventually(
         probe,
-        lambda seen: all(routes >= 2 and leader for routes, leader in seen)
-        and len({leader for _, leader in seen}) == 1,
+        lambda seen: (
+            all(routes >= 2 and leader for routes, leader in seen)
+            and len({leader for _, leader in seen}) == 1
+        ),
         timeout=60,
     )
 
@@ -190,8 +192,9 @@ async def test_killing_the_agents_nats_node_mid_lease_loses_no_task(
         await agent.wait_event("nats_reconnected", channel="jobs")
         renewed = await eventually(
             lambda: system.view(task_id),
-            lambda v: v["attempts"][0]["lease_expires_at"] != killed_lease
-            or v["state"] != "running",
+            lambda v: (
+                v["attempts"][0]["lease_expires_at"] != killed_lease or v["state"] != "running"
+            ),
         )
         assert renewed["state"] == "running", renewed
         assert renewed["attempt"] == 1

@@ -107,7 +107,9 @@ class StubControlPlane:
         self.repo.generations[host_id] = gen
         return Session(host_id=host_id, generation=gen)
 
-    async def heartbeat(self, s: Session, devices: Any, advert: Any = None) -> None:
+    async def heartbeat(
+        self, s: Session, devices: Any, advert: Any = None, *, digest: Any = None
+    ) -> None:
         self.rec.calls.append(("heartbeat", (s, devices)))
         if self.fail_with is not None:
             raise self.fail_with

@@ -59,6 +59,7 @@ FULL: list[tuple[wire.Message, dict[str, Any]]] = [
             ],
             workflows=["build", "smoke"],
             goal_runner="command",
+            digest="tag-1",
         ),
         {
             "devices": [
@@ -67,7 +68,13 @@ FULL: list[tuple[wire.Message, dict[str, Any]]] = [
             ],
             "workflows": ["build", "smoke"],
             "goal_runner": "command",
+            "digest": "tag-1",
+            "unchanged": False,
         },
+    ),
+    (
+        wire.Heartbeat(digest="tag-1", unchanged=True),
+        {"devices": [], "goal_runner": "", "digest": "tag-1", "unchanged": True},
     ),
     (
         wire.Reconcile(entries=[wire.ReconcileEntry(task_id=TASK, attempt=2, lease_token="tok")]),
@@ -271,6 +278,9 @@ FULL: list[tuple[wire.Message, dict[str, Any]]] = [
 #: Register carries a credential or a proof, never both: each sample leaves the
 #: other's fields unset.
 REGISTER_ALTERNATIVES = {"credential", "proof", "ts_ms", "nonce"}
+#: A heartbeat carries a snapshot or says it is unchanged: each sample leaves
+#: the other form's fields at their defaults.
+HEARTBEAT_ALTERNATIVES = {"devices", "workflows", "goal_runner", "unchanged"}
 
 
 def test_the_samples_cover_every_message_type() -> None:
@@ -282,6 +292,8 @@ def test_every_field_is_set_away_from_its_default(msg: wire.Message, body: dict[
     for f in dataclasses.fields(msg):
         value = getattr(msg, f.name)
         if isinstance(msg, wire.Register) and f.name in REGISTER_ALTERNATIVES and value is None:
+            continue
+        if isinstance(msg, wire.Heartbeat) and f.name in HEARTBEAT_ALTERNATIVES:
             continue
         if f.default is not dataclasses.MISSING:
             assert value != f.default, f"{msg.TYPE}.{f.name} is its default"

@@ -131,12 +131,32 @@ class Device(Record):
 @record
 class Heartbeat(Message):
     """The host's complete device snapshot, and what it runs: the workflows it
-    serves (absent: any workflow, as a simulated runner) and its goal runner."""
+    serves (absent: any workflow, as a simulated runner) and its goal runner.
+
+    ``digest`` is the host's tag of that snapshot (devices and what it runs).
+    With ``unchanged`` the message carries no snapshot: the host's is still the
+    one tagged ``digest``; the control plane answers ``conflict`` when that is
+    not the snapshot it holds, and the host then sends the complete one."""
 
     TYPE: ClassVar[str] = "heartbeat"
     devices: list[Device] = wired(Records(Device, MAX_DEVICES), default_factory=list)
     workflows: list[str] | None = wired(StrList(MAX_WORKFLOWS), omit_none=True, default=None)
     goal_runner: str = wired(Text(max_len=MAX_NAME_LEN), default="")
+    digest: str | None = wired(Text(min_len=1, max_len=MAX_NAME_LEN), omit_none=True, default=None)
+    unchanged: bool = wired(Flag(), default=False)
+
+    def __post_init__(self) -> None:
+        if self.unchanged and (self.digest is None or self.devices):
+            raise ValueError("an unchanged heartbeat carries a digest and no devices")
+
+    @classmethod
+    def check_decoded(cls, values: dict[str, Any], path: str) -> None:
+        if values["unchanged"] and (values["digest"] is None or values["devices"]):
+            raise DecodeError(
+                "bad_unchanged",
+                "an unchanged heartbeat carries a digest and no devices",
+                field=path + "unchanged",
+            )
 
 
 @record
