@@ -6,8 +6,8 @@ when that snapshot was written. A heartbeat that says "unchanged since
 <digest>" refreshes ``last_seen`` only, if the tag is the stored one and no
 device row of the host changed since (see ``persistence/repository/hosts.py``).
 
-Revision ID: 0008
-Revises: 0007
+Revision ID: 0010
+Revises: 0009
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0008"
-down_revision = "0007"
+revision = "0010"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 
