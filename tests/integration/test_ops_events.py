@@ -161,9 +161,7 @@ async def test_task_events_goes_on_from_the_present_after_a_gap(
     gap = asyncio.Event()
     async with OpsClient(nats_url=nats_url, token=admin, prefix=subject_prefix) as client:
         subscribed = asyncio.Event()
-        events = task_events(
-            client, subscribed=subscribed, wait_s=2.0, on_gap=gap.set
-        )
+        events = task_events(client, subscribed=subscribed, wait_s=2.0, on_gap=gap.set)
         first = asyncio.ensure_future(anext(events))
         await asyncio.wait_for(subscribed.wait(), WAIT_S)
         pid = service.ops.stream.backend_pid

@@ -396,9 +396,7 @@ async def test_one_user_cannot_take_the_long_poll_pool(served: Served, engine: A
         # submitted after it reached the server.
         await bob.call("project_add", name="probe", owner="bob")
         mine = await bob.call("events")
-        poll = asyncio.ensure_future(
-            bob.call("events", after=int(mine["next"]), wait_s=30.0)
-        )
+        poll = asyncio.ensure_future(bob.call("events", after=int(mine["next"]), wait_s=30.0))
         await bob.nc.flush()
         async with ops(served, "bob", bob_token) as submitter:
             await submitter.call("submit", goal="flood-probe", project="probe")
