@@ -42,7 +42,7 @@ MAX_EVENTS_WAIT_S = 30.0
 #: How long an ``events`` poll waits for a cursor this process does not hold
 #: yet (made by another process an instant ago) before calling it unavailable.
 HOLD_WAIT_S = 1.0
-#: The ``epoch`` of every ``events`` reply: cursors no longer belong to a run.
+#: The ``epoch`` of every ``events`` reply, a constant: cursors are ids valid on every process.
 EVENTS_EPOCH = "commit-order"
 
 
