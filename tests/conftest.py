@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import structlog
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -53,6 +54,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     late import, where CPython 3.11 raises "AST constructor recursion depth
     mismatch" and the session ends with an internal error."""
     gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _structlog_restored() -> Iterator[None]:
+    """Each test starts with the logging configuration the session had: a CLI
+    run in-process configures structlog to print to the ``sys.stderr`` of that
+    moment, which is pytest's capture of that one test, closed after it."""
+    saved = structlog.get_config()
+    yield
+    structlog.reset_defaults()
+    structlog.configure(**saved)
 
 
 def run_async(fn: Callable[[], Awaitable[T]]) -> T:
