@@ -184,6 +184,12 @@ async def test_each_replica_killed_in_turn_loses_nothing(make_cluster: MakeClust
                 timeout=120,
                 what="leases out",
             )
+            # The watch has moved past the previous restart: its cursor is one
+            # the replicas left running hold. (A watcher whose every replica
+            # restarted since its cursor, all within its retries, gets a gap.)
+            await wait_for(
+                subscribed, timeout=90, what="the watch to show a new change", interval=0
+            )
             await cluster.kill_serve(i)
             assert cluster.serves[i].returncode == -9
             done_before = len(submits.ids)

@@ -125,7 +125,9 @@ async def test_a_task_goes_submit_assign_claim_ack_renew_done(
     host = await SimHost.create(cp, repo, "h1")
     task_id = await cp.submit(spec())
     await _state_is(engine, task_id, "assigned")
-    assert cp.lease_actor(task_id) is not None
+    # The task's Lease actor is started on the loop right after the commit
+    # that assigned it, so it may come an instant after the row says so.
+    await wait_until(lambda: cp.lease_actor(task_id) is not None, what="the task's Lease actor")
 
     claimed = await host.claim()
     assert claimed is not None
