@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from fleetlease.persistence.errors import Invalid
@@ -28,11 +29,8 @@ from fleetlease.persistence.tables import (
 )
 
 
-def _free_devices_sub(*, caps_text: bool = False) -> Any:
-    """Idle devices of live, undrained hosts without a reservation and not
-    drained themselves (params ``live_after``); with ``caps_text`` the
-    capabilities come as JSON text (see ``_FreeDevice``). The ranking and the
-    pairing both read this, so a drained host or device is excluded from both."""
+def _not_reserved_or_drained() -> list[sa.ColumnElement[bool]]:
+    """A device row (of ``devices``) without a reservation and not drained."""
     reserved = sa.exists().where(
         device_reservations.c.host_id == devices.c.host_id,
         device_reservations.c.device_id == devices.c.device_id,
@@ -41,45 +39,94 @@ def _free_devices_sub(*, caps_text: bool = False) -> Any:
         device_drains.c.host_id == devices.c.host_id,
         device_drains.c.device_id == devices.c.device_id,
     )
-    caps: Any = devices.c.capabilities
-    if caps_text:
-        caps = sa.cast(devices.c.capabilities, sa.Text).label("caps")
-    return (
-        sa.select(devices.c.host_id, devices.c.device_id, caps, hosts.c.workflows)
-        .join(hosts, hosts.c.host_id == devices.c.host_id)
-        .where(
-            devices.c.state == "idle",
-            hosts.c.revoked_at.is_(None),
-            hosts.c.session_generation > 0,
-            hosts.c.last_seen > sa.bindparam("live_after", type_=hosts.c.last_seen.type),
-            hosts.c.drain_requested_at.is_(None),
-            ~reserved,
-            ~drained,
-        )
-    )
+    return [~reserved, ~drained]
 
 
-def _free_if_waiting_stmt() -> Any:
-    """``_free_devices_stmt``, empty at once when no task is waiting (eligible
-    now): PostgreSQL evaluates the uncorrelated EXISTS first, with the partial
-    index on waiting tasks, and then skips reading the devices."""
-    waiting = sa.exists().where(
+def _serving_host() -> list[sa.ColumnElement[bool]]:
+    """A host (of ``hosts``) that is live and not drained (params ``live_after``)."""
+    return [
+        hosts.c.revoked_at.is_(None),
+        hosts.c.session_generation > 0,
+        hosts.c.last_seen > sa.bindparam("live_after", type_=hosts.c.last_seen.type),
+        hosts.c.drain_requested_at.is_(None),
+    ]
+
+
+def _waiting_now() -> sa.ColumnElement[bool]:
+    """Some task is waiting and eligible now (params ``now``): the partial index
+    on waiting tasks answers it."""
+    return sa.exists().where(
         sa.text("tasks.status IN ('queued', 'retrying')"),
         tasks.c.eligible_at <= sa.bindparam("now", type_=tasks.c.eligible_at.type),
     )
+
+
+def _free_devices_sub() -> Any:
+    """Idle devices of live, undrained hosts without a reservation and not
+    drained themselves (params ``live_after``). The ranking, the count and the
+    sample all apply these conditions, so a drained host or device is excluded
+    from each."""
     return (
-        _free_devices_sub(caps_text=True)
-        .where(waiting)
-        .order_by(devices.c.host_id, devices.c.device_id)
+        sa.select(devices.c.host_id, devices.c.device_id, devices.c.capabilities, hosts.c.workflows)
+        .join(hosts, hosts.c.host_id == devices.c.host_id)
+        .where(devices.c.state == "idle", *_serving_host(), *_not_reserved_or_drained())
     )
 
 
-def _free_devices_stmt() -> Any:
-    """The free devices for matching in Python, capabilities as JSON text decoded
-    once per distinct text (``_FreeDevice.load``): a fleet's devices share a few
-    capability sets, and decoding every row's JSONB would dominate an
-    assignment's CPU in a large fleet."""
-    return _free_devices_sub(caps_text=True).order_by(devices.c.host_id, devices.c.device_id)
+def _free_count_stmt() -> Any:
+    """How many devices are free, counting no further than ``cap``; 0 at once
+    when no task is waiting (PostgreSQL evaluates the uncorrelated EXISTS
+    first, and then reads no device). Bounds how many candidates a pass locks:
+    a pass never holds more waiting tasks than it could place."""
+    free = (
+        _free_devices_sub()
+        .with_only_columns(devices.c.device_id)
+        .where(_waiting_now())
+        .limit(sa.bindparam("cap", type_=sa.Integer))
+        .subquery("free")
+    )
+    return sa.select(sa.func.count()).select_from(free)
+
+
+def _free_sample_stmt() -> Any:
+    """For each requirement ``q`` (a selector as JSON text, a workflow or
+    NULL, how many devices ``want``, at most ``per_host`` of each host): up to
+    ``want`` free devices matching it, hosts in id order. Rows: the
+    requirement's ``i``, the device, its capabilities as JSON text and its
+    host's workflows.
+
+    Each requirement walks the live hosts by primary key and looks at each
+    one's devices by primary key, stopping at ``want``: the rows read grow
+    with the devices asked for, not with the fleet (a requirement that only a
+    few devices meet walks further to find them). One device per host first
+    spreads a pass over many hosts, and so over many parked long-polls."""
+    q = _unnest_params(
+        "q", i=sa.Integer, selector=sa.Text, workflow=sa.Text, want=sa.Integer, per_host=sa.Integer
+    )
+    dev = (
+        sa.select(devices.c.device_id, sa.cast(devices.c.capabilities, sa.Text).label("caps"))
+        .where(
+            devices.c.host_id == hosts.c.host_id,
+            devices.c.state == "idle",
+            devices.c.capabilities.contains(sa.cast(q.c.selector, JSONB)),
+            *_not_reserved_or_drained(),
+        )
+        .order_by(devices.c.device_id)
+        .limit(q.c.per_host)
+        .correlate_except(devices)
+        .lateral("dev")
+    )
+    pick = (
+        sa.select(hosts.c.host_id, dev.c.device_id, dev.c.caps, hosts.c.workflows)
+        .select_from(hosts.join(dev, sa.true()))
+        .where(*_serving_host(), serves_workflow(q.c.workflow, hosts.c.workflows))
+        .order_by(hosts.c.host_id, dev.c.device_id)
+        .limit(q.c.want)
+        .lateral("pick")
+    )
+    return sa.select(
+        q.c.i, pick.c.host_id, pick.c.device_id, pick.c.caps, pick.c.workflows
+    ).select_from(q.join(pick, sa.true()))
 
 
 @dataclass(frozen=True, slots=True)
