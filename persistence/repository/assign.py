@@ -292,9 +292,10 @@ class AssignMixin(LeaseMixin):
         limit: int,
         prefer: _Prefer | None = None,
     ) -> list[Assignment]:
-        """Match locked candidates to free devices greedily in rank order and insert
-        the reservations (ON CONFLICT DO NOTHING: a device another assigner reserved
-        first is simply lost, and looked for again with a fresh read). With
+        """Match locked candidates to a sample of the free devices
+        (``_free_sample``) greedily in rank order and insert the reservations
+        (ON CONFLICT DO NOTHING: a device another assigner reserved first is
+        simply lost, and looked for again with a fresh read). With
         ``prefer``, a task takes a device whose waiting request is still free
         if one comes soon enough after the first it matches."""
         won: list[Assignment] = []
@@ -382,9 +383,11 @@ class AssignMixin(LeaseMixin):
                 if t.id in got
             )
             pending = [t for t in pending if t.id not in got]
-            if len(got) == len(pairs) or not pending:
+            if not pending:
                 break
-            # Somebody else reserved some of our devices: look again.
+            # Somebody else reserved some of our devices, or the requirements of
+            # several candidates shared their sample's devices: look again (the
+            # sample now leaves out what this transaction reserved).
         # Rank order for the caller, whatever order the devices were inserted in.
         rank = {t.id: i for i, t in enumerate(candidates)}
         return sorted(won, key=lambda a: rank[a.task_id])

@@ -141,3 +141,19 @@ async def test_a_backlog_on_few_hosts_still_fills_their_devices(world: World) ->
     assert len(got) == 12
     assert {a.task_id for a in got} == set(ids[:12])
     assert len({(a.host_id, a.device_id) for a in got}) == 12
+
+
+async def test_candidates_whose_samples_share_devices_are_all_placed(world: World) -> None:
+    # Five selectors that every device meets: each one's sample is the same
+    # few devices, and the pass reads again for the candidates left over.
+    everything = {f"c{k}": "y" for k in range(5)}
+    for h in range(10):
+        session = await world.host(f"h{h:03d}", [])
+        snaps = [DeviceSnapshot(device_id=f"d{d:03d}", capabilities=everything) for d in range(5)]
+        await world.repo.heartbeat(session, snaps)
+    ids = {await world.submit(selector={f"c{k}": "y"}) for k in range(5)}
+
+    got = await world.repo.assign()
+
+    assert {a.task_id for a in got} == ids
+    assert len({(a.host_id, a.device_id) for a in got}) == 5
