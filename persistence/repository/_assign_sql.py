@@ -28,6 +28,10 @@ from fleetlease.persistence.tables import (
     tasks,
 )
 
+# A literal, not a parameter: the plan of a prepared statement may then use the
+# partial index of idle devices (``ix_devices_idle``).
+_IDLE = devices.c.state == sa.literal_column("'idle'")
+
 
 def _not_reserved_or_drained() -> list[sa.ColumnElement[bool]]:
     """A device row (of ``devices``) without a reservation and not drained."""
@@ -69,7 +73,7 @@ def _free_devices_sub() -> Any:
     return (
         sa.select(devices.c.host_id, devices.c.device_id, devices.c.capabilities, hosts.c.workflows)
         .join(hosts, hosts.c.host_id == devices.c.host_id)
-        .where(devices.c.state == "idle", *_serving_host(), *_not_reserved_or_drained())
+        .where(_IDLE, *_serving_host(), *_not_reserved_or_drained())
     )
 
 
@@ -107,7 +111,7 @@ def _free_sample_stmt() -> Any:
         sa.select(devices.c.device_id, sa.cast(devices.c.capabilities, sa.Text).label("caps"))
         .where(
             devices.c.host_id == hosts.c.host_id,
-            devices.c.state == "idle",
+            _IDLE,
             devices.c.capabilities.contains(sa.cast(q.c.selector, JSONB)),
             *_not_reserved_or_drained(),
         )
