@@ -77,16 +77,23 @@ def _free_devices_sub() -> Any:
     )
 
 
-def _free_count_stmt() -> Any:
+#: The counts of free devices a pass may ask for (see ``_free_count_stmt``).
+FREE_COUNT_CAPS = (64, 256, 1024, 10_000)
+
+
+def _free_count_stmt(cap: int) -> Any:
     """How many devices are free, counting no further than ``cap``; 0 at once
     when no task is waiting (PostgreSQL evaluates the uncorrelated EXISTS
     first, and then reads no device). Bounds how many candidates a pass locks:
-    a pass never holds more waiting tasks than it could place."""
+    a pass never holds more waiting tasks than it could place. ``cap`` is a
+    literal (one statement per cap, ``FREE_COUNT_CAPS``): with a parameter
+    there, PostgreSQL would plan the prepared statement anew on every run,
+    which costs more than running it when nothing waits."""
     free = (
         _free_devices_sub()
         .with_only_columns(devices.c.device_id)
         .where(_waiting_now())
-        .limit(sa.bindparam("cap", type_=sa.Integer))
+        .limit(sa.literal_column(str(int(cap))))
         .subquery("free")
     )
     return sa.select(sa.func.count()).select_from(free)

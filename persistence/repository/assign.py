@@ -3,6 +3,7 @@ transaction for waiting host requests); the reads of assignments."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Hashable, Sequence
 from datetime import datetime, timedelta
@@ -15,6 +16,7 @@ from fleetlease.persistence.errors import Conflict, Invalid, RepositoryError
 from fleetlease.persistence.matching import host_serves
 from fleetlease.persistence.model import Assignment, Claimed, Session
 from fleetlease.persistence.repository._assign_sql import (
+    FREE_COUNT_CAPS,
     _assignment,
     _assignments_select,
     _free_count_stmt,
@@ -189,8 +191,10 @@ class AssignMixin(LeaseMixin):
         for _batch in range(8):
             # The count is 0 when nothing waits (the common wake-up after a
             # result): no device is read to find out, and it is one statement.
+            want = limit - len(won)
+            cap = next((c for c in FREE_COUNT_CAPS if c >= want), FREE_COUNT_CAPS[-1])
             n_free = await conn.scalar(
-                _prebuilt("free_count", _free_count_stmt), {**params, "cap": limit - len(won)}
+                _prebuilt(("free_count", cap), functools.partial(_free_count_stmt, cap)), params
             )
             room = min(limit - len(won), n_free or 0)
             if room <= 0:
