@@ -159,7 +159,7 @@ class _FreeDevice:
         return out
 
 
-def _rank_candidates_stmt() -> Any:
+def _rank_candidates_stmt(*, filtered: bool = True) -> Any:
     """The first ``scan`` waiting tasks that match some free device, fair across
     projects (round-robin by project, priority then FIFO within one), as ids in
     rank order; nothing locked.
@@ -169,7 +169,12 @@ def _rank_candidates_stmt() -> Any:
     list lets PostgreSQL use the partial index), each scanned task checked
     against the free devices, instead of ranking every waiting task on each
     assignment. The slack (``scan`` = 2n + excluded) covers tasks this
-    transaction already holds and those other assigners have locked."""
+    transaction already holds and those other assigners have locked.
+
+    Unfiltered (``filtered=False``): the same ranking without the check against
+    the free devices, with each task's selector (JSON text) and workflow. When
+    every task it returns has a free device, it is the filtered ranking, and
+    it reads no device (see ``AssignMixin._rank``)."""
     now = sa.bindparam("now", type_=tasks.c.eligible_at.type)
     # The distinct capability sets of the free devices, computed once for the
     # statement: each scanned task is checked against those few sets. Checked
@@ -183,17 +188,27 @@ def _rank_candidates_stmt() -> Any:
         .cte("free_caps")
         .prefix_with("MATERIALIZED")
     )
-    top = (
-        sa.select(tasks.c.id, tasks.c.priority, tasks.c.seq)
-        .where(
-            tasks.c.project == projects.c.name,
-            sa.text("tasks.status IN ('queued', 'retrying')"),
-            tasks.c.eligible_at <= now,
+    conds: list[Any] = [
+        tasks.c.project == projects.c.name,
+        sa.text("tasks.status IN ('queued', 'retrying')"),
+        tasks.c.eligible_at <= now,
+    ]
+    if filtered:
+        conds.append(
             sa.exists().where(
                 free_caps.c.capabilities.contains(tasks.c.selector),
                 serves_workflow(tasks.c.workflow, free_caps.c.workflows),
-            ),
+            )
         )
+    top = (
+        sa.select(
+            tasks.c.id,
+            tasks.c.priority,
+            tasks.c.seq,
+            sa.cast(tasks.c.selector, sa.Text).label("selector"),
+            tasks.c.workflow,
+        )
+        .where(*conds)
         .order_by(tasks.c.priority.desc(), tasks.c.seq)
         .limit(sa.bindparam("scan", type_=sa.Integer))
         .lateral("top")
@@ -204,13 +219,14 @@ def _rank_candidates_stmt() -> Any:
         .label("rn")
     )
     ranked = (
-        sa.select(top.c.id, top.c.priority, top.c.seq, rn)
+        sa.select(top.c.id, top.c.priority, top.c.seq, top.c.selector, top.c.workflow, rn)
         .select_from(projects.join(top, sa.true()))
         .subquery("ranked")
     )
     # No overall limit: every project's first ``scan`` stay candidates, so that
     # concurrent assigners skipping each other's locked tasks still find enough.
-    return sa.select(ranked.c.id).order_by(ranked.c.rn, ranked.c.priority.desc(), ranked.c.seq)
+    cols = [ranked.c.id] if filtered else [ranked.c.id, ranked.c.selector, ranked.c.workflow]
+    return sa.select(*cols).order_by(ranked.c.rn, ranked.c.priority.desc(), ranked.c.seq)
 
 
 def _lock_candidates_stmt() -> Any:

@@ -273,10 +273,7 @@ class AssignMixin(LeaseMixin):
         # statistics of the tasks table, may join every waiting task against the
         # ranking, on every assignment.
         params = {**self._free_params(now), "scan": 2 * n + len(exclude)}
-        ranked = [
-            r.id
-            for r in await conn.execute(_prebuilt("rank_candidates", _rank_candidates_stmt), params)
-        ]
+        ranked = await self._rank(conn, now, params)
         skip = set(exclude)
         ranked = [t for t in ranked if t not in skip]
         if not ranked:
@@ -287,6 +284,47 @@ class AssignMixin(LeaseMixin):
                 {"now": now, "ids": ranked, "n": n},
             )
         )
+
+    async def _rank(
+        self, conn: AsyncConnection, now: datetime, params: dict[str, Any]
+    ) -> list[str]:
+        """The ids of ``_rank_candidates_stmt``. First the ranking without the
+        check against the free devices, and one probe per distinct requirement
+        of the tasks it returns (``_free_sample_stmt``, one device each): when
+        every one has a free device, that ranking is the checked one, and no
+        scan of the free devices' capability sets was needed. Otherwise the
+        checked ranking, which skips the tasks no free device meets."""
+        rows = list(
+            await conn.execute(
+                _prebuilt(
+                    "rank_candidates_unchecked",
+                    functools.partial(_rank_candidates_stmt, filtered=False),
+                ),
+                params,
+            )
+        )
+        if not rows:
+            return []
+        needs = list(dict.fromkeys((r.selector or "{}", r.workflow) for r in rows))
+        probe = {
+            "q_i": list(range(len(needs))),
+            "q_selector": [sel for sel, _ in needs],
+            "q_workflow": [wf for _, wf in needs],
+            "q_want": [1] * len(needs),
+            "q_per_host": [1] * len(needs),
+        }
+        met = {
+            r.i
+            for r in await conn.execute(
+                _prebuilt("free_sample", _free_sample_stmt), {**self._free_params(now), **probe}
+            )
+        }
+        if len(met) == len(needs):
+            return [r.id for r in rows]
+        return [
+            r.id
+            for r in await conn.execute(_prebuilt("rank_candidates", _rank_candidates_stmt), params)
+        ]
 
     async def _reserve(
         self,

@@ -157,3 +157,16 @@ async def test_candidates_whose_samples_share_devices_are_all_placed(world: Worl
 
     assert {a.task_id for a in got} == ids
     assert len({(a.host_id, a.device_id) for a in got}) == 5
+
+
+async def test_tasks_no_free_device_meets_do_not_hide_those_behind_them(world: World) -> None:
+    # The first waiting tasks of the project need a device nobody has: the
+    # ranking skips them (and reads the free devices' sets to know it).
+    await fleet(world, hosts=3, devices=2)
+    for _ in range(6):
+        await world.submit(selector={"kind": "watch"})
+    behind = [await world.submit(selector=PHONE) for _ in range(2)]
+
+    got = await world.repo.assign(limit=2)
+
+    assert sorted(a.task_id for a in got) == sorted(behind)
