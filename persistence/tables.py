@@ -94,6 +94,13 @@ devices = sa.Table(
     sa.Column("updated_at", TS, nullable=False),
     sa.CheckConstraint("state IN ('idle', 'busy', 'offline')", name="state"),
 )
+# The assignment's sample of the free devices, host by host (migration 0011).
+sa.Index(
+    "ix_devices_idle",
+    devices.c.host_id,
+    devices.c.device_id,
+    postgresql_where=sa.text("state = 'idle'"),
+)
 
 # Drained devices: kept apart from ``devices``, whose rows each heartbeat
 # replaces, so a drain outlives the device's reports (and its detaching).

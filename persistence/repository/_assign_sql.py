@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from fleetlease.persistence.errors import Invalid
@@ -27,12 +28,13 @@ from fleetlease.persistence.tables import (
     tasks,
 )
 
+# A literal, not a parameter: the plan of a prepared statement may then use the
+# partial index of idle devices (``ix_devices_idle``).
+_IDLE = devices.c.state == sa.literal_column("'idle'")
 
-def _free_devices_sub(*, caps_text: bool = False) -> Any:
-    """Idle devices of live, undrained hosts without a reservation and not
-    drained themselves (params ``live_after``); with ``caps_text`` the
-    capabilities come as JSON text (see ``_FreeDevice``). The ranking and the
-    pairing both read this, so a drained host or device is excluded from both."""
+
+def _not_reserved_or_drained() -> list[sa.ColumnElement[bool]]:
+    """A device row (of ``devices``) without a reservation and not drained."""
     reserved = sa.exists().where(
         device_reservations.c.host_id == devices.c.host_id,
         device_reservations.c.device_id == devices.c.device_id,
@@ -41,45 +43,101 @@ def _free_devices_sub(*, caps_text: bool = False) -> Any:
         device_drains.c.host_id == devices.c.host_id,
         device_drains.c.device_id == devices.c.device_id,
     )
-    caps: Any = devices.c.capabilities
-    if caps_text:
-        caps = sa.cast(devices.c.capabilities, sa.Text).label("caps")
-    return (
-        sa.select(devices.c.host_id, devices.c.device_id, caps, hosts.c.workflows)
-        .join(hosts, hosts.c.host_id == devices.c.host_id)
-        .where(
-            devices.c.state == "idle",
-            hosts.c.revoked_at.is_(None),
-            hosts.c.session_generation > 0,
-            hosts.c.last_seen > sa.bindparam("live_after", type_=hosts.c.last_seen.type),
-            hosts.c.drain_requested_at.is_(None),
-            ~reserved,
-            ~drained,
-        )
-    )
+    return [~reserved, ~drained]
 
 
-def _free_if_waiting_stmt() -> Any:
-    """``_free_devices_stmt``, empty at once when no task is waiting (eligible
-    now): PostgreSQL evaluates the uncorrelated EXISTS first, with the partial
-    index on waiting tasks, and then skips reading the devices."""
-    waiting = sa.exists().where(
+def _serving_host() -> list[sa.ColumnElement[bool]]:
+    """A host (of ``hosts``) that is live and not drained (params ``live_after``)."""
+    return [
+        hosts.c.revoked_at.is_(None),
+        hosts.c.session_generation > 0,
+        hosts.c.last_seen > sa.bindparam("live_after", type_=hosts.c.last_seen.type),
+        hosts.c.drain_requested_at.is_(None),
+    ]
+
+
+def _waiting_now() -> sa.ColumnElement[bool]:
+    """Some task is waiting and eligible now (params ``now``): the partial index
+    on waiting tasks answers it."""
+    return sa.exists().where(
         sa.text("tasks.status IN ('queued', 'retrying')"),
         tasks.c.eligible_at <= sa.bindparam("now", type_=tasks.c.eligible_at.type),
     )
+
+
+def _free_devices_sub() -> Any:
+    """Idle devices of live, undrained hosts without a reservation and not
+    drained themselves (params ``live_after``). The ranking, the count and the
+    sample all apply these conditions, so a drained host or device is excluded
+    from each."""
     return (
-        _free_devices_sub(caps_text=True)
-        .where(waiting)
-        .order_by(devices.c.host_id, devices.c.device_id)
+        sa.select(devices.c.host_id, devices.c.device_id, devices.c.capabilities, hosts.c.workflows)
+        .join(hosts, hosts.c.host_id == devices.c.host_id)
+        .where(_IDLE, *_serving_host(), *_not_reserved_or_drained())
     )
 
 
-def _free_devices_stmt() -> Any:
-    """The free devices for matching in Python, capabilities as JSON text decoded
-    once per distinct text (``_FreeDevice.load``): a fleet's devices share a few
-    capability sets, and decoding every row's JSONB would dominate an
-    assignment's CPU in a large fleet."""
-    return _free_devices_sub(caps_text=True).order_by(devices.c.host_id, devices.c.device_id)
+#: The counts of free devices a pass may ask for (see ``_free_count_stmt``).
+FREE_COUNT_CAPS = (64, 256, 1024, 10_000)
+
+
+def _free_count_stmt(cap: int) -> Any:
+    """How many devices are free, counting no further than ``cap``; 0 at once
+    when no task is waiting (PostgreSQL evaluates the uncorrelated EXISTS
+    first, and then reads no device). Bounds how many candidates a pass locks:
+    a pass never holds more waiting tasks than it could place. ``cap`` is a
+    literal (one statement per cap, ``FREE_COUNT_CAPS``): with a parameter
+    there, PostgreSQL would plan the prepared statement anew on every run,
+    which costs more than running it when nothing waits."""
+    free = (
+        _free_devices_sub()
+        .with_only_columns(devices.c.device_id)
+        .where(_waiting_now())
+        .limit(sa.literal_column(str(int(cap))))
+        .subquery("free")
+    )
+    return sa.select(sa.func.count()).select_from(free)
+
+
+def _free_sample_stmt() -> Any:
+    """For each requirement ``q`` (a selector as JSON text, a workflow or
+    NULL, how many devices ``want``, at most ``per_host`` of each host): up to
+    ``want`` free devices matching it, hosts in id order. Rows: the
+    requirement's ``i``, the device, its capabilities as JSON text and its
+    host's workflows.
+
+    Each requirement walks the live hosts by primary key and looks at each
+    one's devices by primary key, stopping at ``want``: the rows read grow
+    with the devices asked for, not with the fleet (a requirement that only a
+    few devices meet walks further to find them). One device per host first
+    spreads a pass over many hosts, and so over many parked long-polls."""
+    q = _unnest_params(
+        "q", i=sa.Integer, selector=sa.Text, workflow=sa.Text, want=sa.Integer, per_host=sa.Integer
+    )
+    dev = (
+        sa.select(devices.c.device_id, sa.cast(devices.c.capabilities, sa.Text).label("caps"))
+        .where(
+            devices.c.host_id == hosts.c.host_id,
+            _IDLE,
+            devices.c.capabilities.contains(sa.cast(q.c.selector, JSONB)),
+            *_not_reserved_or_drained(),
+        )
+        .order_by(devices.c.device_id)
+        .limit(q.c.per_host)
+        .correlate_except(devices)
+        .lateral("dev")
+    )
+    pick = (
+        sa.select(hosts.c.host_id, dev.c.device_id, dev.c.caps, hosts.c.workflows)
+        .select_from(hosts.join(dev, sa.true()))
+        .where(*_serving_host(), serves_workflow(q.c.workflow, hosts.c.workflows))
+        .order_by(hosts.c.host_id, dev.c.device_id)
+        .limit(q.c.want)
+        .lateral("pick")
+    )
+    return sa.select(
+        q.c.i, pick.c.host_id, pick.c.device_id, pick.c.caps, pick.c.workflows
+    ).select_from(q.join(pick, sa.true()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +159,7 @@ class _FreeDevice:
         return out
 
 
-def _rank_candidates_stmt() -> Any:
+def _rank_candidates_stmt(*, filtered: bool = True) -> Any:
     """The first ``scan`` waiting tasks that match some free device, fair across
     projects (round-robin by project, priority then FIFO within one), as ids in
     rank order; nothing locked.
@@ -111,7 +169,12 @@ def _rank_candidates_stmt() -> Any:
     list lets PostgreSQL use the partial index), each scanned task checked
     against the free devices, instead of ranking every waiting task on each
     assignment. The slack (``scan`` = 2n + excluded) covers tasks this
-    transaction already holds and those other assigners have locked."""
+    transaction already holds and those other assigners have locked.
+
+    Unfiltered (``filtered=False``): the same ranking without the check against
+    the free devices, with each task's selector (JSON text) and workflow. When
+    every task it returns has a free device, it is the filtered ranking, and
+    it reads no device (see ``AssignMixin._rank``)."""
     now = sa.bindparam("now", type_=tasks.c.eligible_at.type)
     # The distinct capability sets of the free devices, computed once for the
     # statement: each scanned task is checked against those few sets. Checked
@@ -125,17 +188,27 @@ def _rank_candidates_stmt() -> Any:
         .cte("free_caps")
         .prefix_with("MATERIALIZED")
     )
-    top = (
-        sa.select(tasks.c.id, tasks.c.priority, tasks.c.seq)
-        .where(
-            tasks.c.project == projects.c.name,
-            sa.text("tasks.status IN ('queued', 'retrying')"),
-            tasks.c.eligible_at <= now,
+    conds: list[Any] = [
+        tasks.c.project == projects.c.name,
+        sa.text("tasks.status IN ('queued', 'retrying')"),
+        tasks.c.eligible_at <= now,
+    ]
+    if filtered:
+        conds.append(
             sa.exists().where(
                 free_caps.c.capabilities.contains(tasks.c.selector),
                 serves_workflow(tasks.c.workflow, free_caps.c.workflows),
-            ),
+            )
         )
+    top = (
+        sa.select(
+            tasks.c.id,
+            tasks.c.priority,
+            tasks.c.seq,
+            sa.cast(tasks.c.selector, sa.Text).label("selector"),
+            tasks.c.workflow,
+        )
+        .where(*conds)
         .order_by(tasks.c.priority.desc(), tasks.c.seq)
         .limit(sa.bindparam("scan", type_=sa.Integer))
         .lateral("top")
@@ -146,13 +219,14 @@ def _rank_candidates_stmt() -> Any:
         .label("rn")
     )
     ranked = (
-        sa.select(top.c.id, top.c.priority, top.c.seq, rn)
+        sa.select(top.c.id, top.c.priority, top.c.seq, top.c.selector, top.c.workflow, rn)
         .select_from(projects.join(top, sa.true()))
         .subquery("ranked")
     )
     # No overall limit: every project's first ``scan`` stay candidates, so that
     # concurrent assigners skipping each other's locked tasks still find enough.
-    return sa.select(ranked.c.id).order_by(ranked.c.rn, ranked.c.priority.desc(), ranked.c.seq)
+    cols = [ranked.c.id] if filtered else [ranked.c.id, ranked.c.selector, ranked.c.workflow]
+    return sa.select(*cols).order_by(ranked.c.rn, ranked.c.priority.desc(), ranked.c.seq)
 
 
 def _lock_candidates_stmt() -> Any:

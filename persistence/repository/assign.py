@@ -3,6 +3,8 @@ transaction for waiting host requests); the reads of assignments."""
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Callable, Hashable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -14,10 +16,11 @@ from fleetlease.persistence.errors import Conflict, Invalid, RepositoryError
 from fleetlease.persistence.matching import host_serves
 from fleetlease.persistence.model import Assignment, Claimed, Session
 from fleetlease.persistence.repository._assign_sql import (
+    FREE_COUNT_CAPS,
     _assignment,
     _assignments_select,
-    _free_devices_stmt,
-    _free_if_waiting_stmt,
+    _free_count_stmt,
+    _free_sample_stmt,
     _FreeDevice,
     _lock_candidates_stmt,
     _pending_params,
@@ -43,6 +46,11 @@ _PREFER_LOOKAHEAD = 64
 
 
 _PREFER_BUDGET = 4096
+
+#: Free devices a pass reads per candidate (see ``_free_sample``): twice the
+#: candidates of a requirement, one device per host, and as many again from
+#: the first hosts that have them.
+_SAMPLE_SPARE = 2
 
 
 class _Prefer:
@@ -169,48 +177,91 @@ class AssignMixin(LeaseMixin):
     async def _assign(
         self, conn: AsyncConnection, now: datetime, limit: int, prefer: _Prefer | None = None
     ) -> list[Assignment]:
-        """Candidates come in rank order, in batches: each batch re-reads the free
-        devices (which then exclude this transaction's own reservations and those
-        other assigners committed), locks the next candidates that still match one
-        of them, and reserves greedily. Candidates left without a device stay locked
-        and are tried again (first, keeping their rank) in the next batch."""
+        """Candidates come in rank order, in batches: each batch counts the free
+        devices (up to what it may still assign; they then exclude this
+        transaction's own reservations and those other assigners committed),
+        locks the next candidates that still match one of them, reads a sample
+        of the free devices bounded by those candidates (``_free_sample``) and
+        reserves greedily. Candidates left without a device stay locked and are
+        tried again (first, keeping their rank) in the next batch."""
         won: list[Assignment] = []
         pending: list[Any] = []
         seen: list[str] = []
         params = self._free_params(now)
-        # The first read of the free devices returns nothing when nothing waits
-        # (the common wake-up after a result): the fleet's free devices are not
-        # read to find out, and it is one statement either way.
-        free = _FreeDevice.load(
-            (await conn.execute(_prebuilt("free_if_waiting", _free_if_waiting_stmt), params)).all()
-        )
-        for batch in range(8):
-            if batch:
-                free = _FreeDevice.load(
-                    (
-                        await conn.execute(_prebuilt("free_devices", _free_devices_stmt), params)
-                    ).all()
-                )
-            room = min(limit - len(won), len(free))
+        for _batch in range(8):
+            # The count is 0 when nothing waits (the common wake-up after a
+            # result): no device is read to find out, and it is one statement.
+            want = limit - len(won)
+            cap = next((c for c in FREE_COUNT_CAPS if c >= want), FREE_COUNT_CAPS[-1])
+            n_free = await conn.scalar(
+                _prebuilt(("free_count", cap), functools.partial(_free_count_stmt, cap)), params
+            )
+            room = min(limit - len(won), n_free or 0)
             if room <= 0:
                 break
             fresh = await self._lock_candidates(conn, now, room, seen)
             seen.extend(t.id for t in fresh)
             pending.extend(fresh)
-            got = await self._reserve(conn, now, pending, free, limit - len(won), prefer)
+            if not pending:
+                break
+            got = await self._reserve(conn, now, pending, limit - len(won), prefer)
             won.extend(got)
             taken = {a.task_id for a in got}
             pending = [t for t in pending if t.id not in taken]
             if not fresh and not got:
                 break
-            # Enough; or every device this transaction knew as free is now taken;
-            # or the ranking ran out of waiting tasks and none is left unmatched:
-            # another read could only find devices freed, or tasks submitted, by
-            # commits since, and each of those wakes the Scheduler for another
-            # pass anyway. (Saves three round trips of most passes.)
-            if len(won) >= limit or len(got) >= len(free) or (len(fresh) < room and not pending):
+            # Enough; or every device this transaction counted as free is now
+            # taken; or the ranking ran out of waiting tasks and none is left
+            # unmatched: another count could only find devices freed, or tasks
+            # submitted, by commits since, and each of those wakes the Scheduler
+            # for another pass anyway.
+            if len(won) >= limit or len(got) >= room or (len(fresh) < room and not pending):
                 break
         return won
+
+    async def _free_sample(
+        self, conn: AsyncConnection, now: datetime, candidates: Sequence[Any], ordered: bool
+    ) -> list[_FreeDevice]:
+        """The free devices ``_reserve`` matches ``candidates`` against: for each
+        distinct requirement (selector, workflow) of the candidates, up to
+        ``_SAMPLE_SPARE`` times its candidates in free devices matching it, one
+        per host (hosts in id order), and as many again from the first hosts
+        that have them (all of a few hosts' devices when few hosts have any).
+        Every candidate with a matching free device meets one in it, and its
+        size grows with the candidates, not with the fleet.
+
+        ``ordered``: hosts in id order, devices in id order within a host (as
+        a pass without waiting requests takes them). Otherwise the one-per-host
+        part comes first, so that greedy matching with ``prefer`` meets many
+        hosts' (and so many long-polls') devices first."""
+        need: dict[tuple[str, str | None], int] = {}
+        for t in candidates:
+            key = (json.dumps(t.selector or {}, sort_keys=True), t.workflow)
+            need[key] = need.get(key, 0) + 1
+        keys = ("i", "selector", "workflow", "want", "per_host")
+        cols: dict[str, list[Any]] = {k: [] for k in keys}
+        for n, ((selector, workflow), count) in enumerate(need.items()):
+            want = _SAMPLE_SPARE * count
+            for spread, per_host in enumerate((1, want)):
+                cols["i"].append(2 * n + spread)
+                cols["selector"].append(selector)
+                cols["workflow"].append(workflow)
+                cols["want"].append(want)
+                cols["per_host"].append(per_host)
+        rows = list(
+            await conn.execute(
+                _prebuilt("free_sample", _free_sample_stmt),
+                {**self._free_params(now), **{f"q_{k}": v for k, v in cols.items()}},
+            )
+        )
+        if ordered:
+            rows.sort(key=lambda r: (r.host_id, r.device_id))
+        else:
+            rows.sort(key=lambda r: (r.i % 2, r.host_id, r.device_id))
+        unique: dict[tuple[str, str], Any] = {}
+        for r in rows:
+            unique.setdefault((r.host_id, r.device_id), r)
+        return _FreeDevice.load(list(unique.values()))
 
     async def _lock_candidates(
         self, conn: AsyncConnection, now: datetime, n: int, exclude: Sequence[str]
@@ -222,10 +273,7 @@ class AssignMixin(LeaseMixin):
         # statistics of the tasks table, may join every waiting task against the
         # ranking, on every assignment.
         params = {**self._free_params(now), "scan": 2 * n + len(exclude)}
-        ranked = [
-            r.id
-            for r in await conn.execute(_prebuilt("rank_candidates", _rank_candidates_stmt), params)
-        ]
+        ranked = await self._rank(conn, now, params)
         skip = set(exclude)
         ranked = [t for t in ranked if t not in skip]
         if not ranked:
@@ -237,24 +285,68 @@ class AssignMixin(LeaseMixin):
             )
         )
 
+    async def _rank(
+        self, conn: AsyncConnection, now: datetime, params: dict[str, Any]
+    ) -> list[str]:
+        """The ids of ``_rank_candidates_stmt``. First the ranking without the
+        check against the free devices, and one probe per distinct requirement
+        of the tasks it returns (``_free_sample_stmt``, one device each): when
+        every one has a free device, that ranking is the checked one, and no
+        scan of the free devices' capability sets was needed. Otherwise the
+        checked ranking, which skips the tasks no free device meets."""
+        rows = list(
+            await conn.execute(
+                _prebuilt(
+                    "rank_candidates_unchecked",
+                    functools.partial(_rank_candidates_stmt, filtered=False),
+                ),
+                params,
+            )
+        )
+        if not rows:
+            return []
+        needs = list(dict.fromkeys((r.selector or "{}", r.workflow) for r in rows))
+        probe = {
+            "q_i": list(range(len(needs))),
+            "q_selector": [sel for sel, _ in needs],
+            "q_workflow": [wf for _, wf in needs],
+            "q_want": [1] * len(needs),
+            "q_per_host": [1] * len(needs),
+        }
+        met = {
+            r.i
+            for r in await conn.execute(
+                _prebuilt("free_sample", _free_sample_stmt), {**self._free_params(now), **probe}
+            )
+        }
+        if len(met) == len(needs):
+            return [r.id for r in rows]
+        return [
+            r.id
+            for r in await conn.execute(_prebuilt("rank_candidates", _rank_candidates_stmt), params)
+        ]
+
     async def _reserve(
         self,
         conn: AsyncConnection,
         now: datetime,
         candidates: list[Any],
-        free: Sequence[Any],
         limit: int,
         prefer: _Prefer | None = None,
     ) -> list[Assignment]:
-        """Match locked candidates to free devices greedily in rank order and insert
-        the reservations (ON CONFLICT DO NOTHING: a device another assigner reserved
-        first is simply lost, and looked for again with a fresh read). With
+        """Match locked candidates to a sample of the free devices
+        (``_free_sample``) greedily in rank order and insert the reservations
+        (ON CONFLICT DO NOTHING: a device another assigner reserved first is
+        simply lost, and looked for again with a fresh read). With
         ``prefer``, a task takes a device whose waiting request is still free
         if one comes soon enough after the first it matches."""
         won: list[Assignment] = []
         pending = list(candidates)
         for _round in range(4):
-            if not pending or not free or len(won) >= limit:
+            if not pending or len(won) >= limit:
+                break
+            free = await self._free_sample(conn, now, pending, ordered=prefer is None)
+            if not free:
                 break
             pairs: list[tuple[Any, Any]] = []
             used: set[int] = set()
@@ -333,16 +425,11 @@ class AssignMixin(LeaseMixin):
                 if t.id in got
             )
             pending = [t for t in pending if t.id not in got]
-            if len(got) == len(pairs) or not pending:
+            if not pending:
                 break
-            # Somebody else reserved some of our devices: look again.
-            free = _FreeDevice.load(
-                (
-                    await conn.execute(
-                        _prebuilt("free_devices", _free_devices_stmt), self._free_params(now)
-                    )
-                ).all()
-            )
+            # Somebody else reserved some of our devices, or the requirements of
+            # several candidates shared their sample's devices: look again (the
+            # sample now leaves out what this transaction reserved).
         # Rank order for the caller, whatever order the devices were inserted in.
         rank = {t.id: i for i, t in enumerate(candidates)}
         return sorted(won, key=lambda a: rank[a.task_id])

@@ -2,7 +2,8 @@
 
 A drained host (``hosts.drain_requested_at`` set) or device (a row of
 ``device_drains``) is left out of the free devices that the assignment reads
-(``_free_devices_sub``), so both the ranking and the pairing skip it; its active
+(``_serving_host`` and ``_not_reserved_or_drained`` in ``_assign_sql``), so the
+count, the ranking and the sample all skip it; its active
 attempts run on. A host drain may carry a deadline: past it the Reaper hands the
 host's active attempts back (``hand_back_drained``, end reason ``drained``).
 
