@@ -57,6 +57,7 @@ import structlog
 
 from fleetlease.ops.observe import metrics
 from fleetlease.persistence.clock import Clock
+from fleetlease.persistence.errors import Unavailable
 from fleetlease.transport.auth import AuthError
 
 if TYPE_CHECKING:
@@ -148,12 +149,20 @@ class SharedReplay:
         if len(self._flushers) < self.max_inflight:
             task = loop.create_task(self._flush())
             self._flushers.add(task)
-            task.add_done_callback(self._flushers.discard)
+            task.add_done_callback(self._flushers.discard)  # also if never run
         if not await fut:
             self.refused += 1
             raise AuthError("replayed message", reason="replay")
 
     async def _flush(self) -> None:
+        try:
+            await self._flush_pending()
+        finally:
+            # At once, not by a done-callback a loop iteration later: a check
+            # arriving in between must see the room and start a flusher.
+            self._flushers.discard(asyncio.current_task())  # type: ignore[arg-type]
+
+    async def _flush_pending(self) -> None:
         while self._pending:
             if self.linger_s and not self._urgent and len(self._pending) < self.max_batch:
                 if self._lingering:
@@ -176,10 +185,19 @@ class SharedReplay:
             self.items += len(batch)
             started = time.perf_counter()
             try:
-                fresh: Sequence[bool] = await self.repo.record_nonces(
-                    [e for e, _ in batch], timeout_s=self.timeout_s
-                )
+                # The whole check, connecting included (after a failover the
+                # pool connects host by host), within ``timeout_s``.
+                async with asyncio.timeout(self.timeout_s):
+                    fresh: Sequence[bool] = await self.repo.record_nonces(
+                        [e for e, _ in batch], timeout_s=self.timeout_s
+                    )
                 metrics.group_committed("replay", len(batch), started)
+            except TimeoutError:
+                lost = Unavailable("the replay check did not answer in time")
+                for _, f in batch:
+                    if not f.done():
+                        f.set_exception(lost)
+                continue
             except Exception as exc:
                 for _, f in batch:
                     if not f.done():

@@ -354,3 +354,20 @@ async def test_periodic_checks_wait_for_company_and_go_with_the_next_urgent_one(
     )
     assert (replay.batches, replay.items) == (2, 12)
     await replay.stop()
+
+
+async def test_a_check_made_as_the_last_flusher_ends_is_still_sent(
+    repos: tuple[Repository, Repository],
+) -> None:
+    a, _ = repos
+    replay = SharedReplay(a, SystemClock(), window_s=30, linger_s=0, max_inflight=1)
+    ts_ms = int(time.time() * 1000)
+    for _ in range(20):
+        # The check returns as its flusher ends; the next one, made at once in
+        # the same task (no new task in between), must find the room that
+        # flusher left and start another.
+        await replay.check("h1", secrets.token_bytes(16), ts_ms)
+        async with asyncio.timeout(10):
+            await replay.check("h1", secrets.token_bytes(16), ts_ms)
+    assert replay.items == 40
+    await replay.stop()
