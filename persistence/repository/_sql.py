@@ -341,7 +341,7 @@ def _write_batch_stmt(shapes: tuple[Any, ...], release: bool) -> Any:
             .returning(device_reservations.c.host_id, device_reservations.c.device_id)
             .cte("freed")
         )
-        released = _set_device_state_stmt(freed, "busy", "idle").returning(devices.c.device_id)
+        released = _set_device_state_stmt(freed, "busy", "idle").returning(hosts.c.host_id)
         out = out.add_cte(released.cte("released"))
     return out
 
@@ -361,7 +361,7 @@ def _set_device_state_stmt(named: Any, from_state: str, to_state: str) -> Any:
         .with_for_update(of=devices)
         .cte("locked")
     )
-    return (
+    changed = (
         devices.update()
         .where(
             devices.c.host_id == locked.c.host_id,
@@ -369,6 +369,21 @@ def _set_device_state_stmt(named: Any, from_state: str, to_state: str) -> Any:
             devices.c.state == from_state,
         )
         .values(state=to_state, updated_at=sa.bindparam("now", type_=devices.c.updated_at.type))
+        .returning(devices.c.host_id)
+        .cte("changed")
+    )
+    # The host's stored snapshot digest no longer describes its rows: its next
+    # heartbeat must carry the complete snapshot. (Comparing the rows' times
+    # with the digest's cannot tell: a heartbeat that began after this
+    # transaction, but read the rows before it committed, would record a later
+    # time than this change's.)
+    return (
+        hosts.update()
+        .where(
+            hosts.c.host_id.in_(sa.select(changed.c.host_id)),
+            hosts.c.devices_digest.is_not(None),
+        )
+        .values(devices_digest=sa.null())
     )
 
 

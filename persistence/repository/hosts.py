@@ -236,9 +236,11 @@ class HostMixin(ExpiryMixin):
         """A heartbeat without a snapshot: the host's is still the one its last
         complete heartbeat of this session tagged ``digest``. Refreshes
         last_seen only (one row). ``Conflict`` (reason ``snapshot_unknown``),
-        nothing written, when the stored tag is another or none, or a device
-        row of the host changed since it was written (the control plane holds
-        a device at an expiry): the host then sends its complete snapshot."""
+        nothing written, when the stored tag is another or none (the control
+        plane clears it whenever it changes one of the host's device rows: a
+        device held at an expiry, or freed by a result), or a device row of the
+        host changed since it was written: the host then sends its complete
+        snapshot."""
         _check_session(session)
         _check_digest(digest)
         if digest is None:

@@ -4,6 +4,7 @@ locks) only the device rows that differ, and a heartbeat "unchanged since
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ import sqlalchemy as sa
 from fleetlease.persistence.errors import Conflict, Invalid, Unauthorized
 from fleetlease.persistence.model import DeviceSnapshot, Session
 from fleetlease.transport import wire
+from tests.chaos.harness import wait_until
 from tests.integration.test_repository_support import World, world
 from tests.integration.test_transport_e2e import System, system
 
@@ -199,3 +201,48 @@ async def test_an_unchanged_heartbeat_carrying_devices_is_a_bad_request(system: 
 
     assert await system.code(subject, data) == "bad_request"
     assert await system.repo.list_devices() == before
+
+
+async def test_a_device_held_by_an_expiry_racing_a_heartbeat_is_not_left_held(
+    world: World,
+) -> None:
+    # An expiry holds an idle device (it turns busy: the silent host may still
+    # run on it) in a transaction that began before a complete heartbeat and
+    # commits while that heartbeat runs. Whatever the interleaving, the host's
+    # later unchanged heartbeats must not leave the device held: either they
+    # are refused (the host then sends its complete snapshot) or the complete
+    # one already said idle after the hold.
+    from fleetlease.persistence.repository._sql import _hold_devices_stmt
+
+    session = await _registered(world, _snap(d1="idle", d2="idle"), digest="v1")
+    held_at = world.clock.now()
+    world.clock.advance(5)
+    async with world.engine.connect() as expiry:
+        await expiry.execute(
+            _hold_devices_stmt(), {"r_host_id": ["h1"], "r_device_id": ["d1"], "now": held_at}
+        )
+        beat = asyncio.ensure_future(
+            world.repo.heartbeat(session, _snap(d1="idle", d2="idle"), digest="v2")
+        )
+
+        # The complete heartbeat either finishes before the expiry commits (it
+        # reads the idle row the expiry has not committed) or waits for a lock
+        # the expiry holds.
+        async def settled() -> bool:
+            waiting = await world.rows(
+                "SELECT count(*) AS n FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+            return beat.done() or waiting[0]["n"] > 0
+
+        await wait_until(settled, what="the heartbeat done or waiting for the expiry")
+        await expiry.commit()
+    await beat
+    world.clock.advance(5)
+    try:
+        await world.repo.heartbeat_unchanged(session, "v2")
+    except Conflict as exc:
+        assert exc.reason == "snapshot_unknown"
+        await world.repo.heartbeat(session, _snap(d1="idle", d2="idle"), digest="v2")
+    (row,) = await world.rows("SELECT state FROM devices WHERE device_id = 'd1'")
+    assert row["state"] == "idle"
