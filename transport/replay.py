@@ -160,7 +160,7 @@ class SharedReplay:
         finally:
             # At once, not by a done-callback a loop iteration later: a check
             # arriving in between must see the room and start a flusher.
-            self._flushers.discard(asyncio.current_task())  # type: ignore[arg-type]
+            self._flushers.discard(asyncio.current_task())
 
     async def _flush_pending(self) -> None:
         while self._pending:

@@ -27,7 +27,7 @@ CHARTS_TIMEOUT_MS = 60_000
 SOME = """(chart, n) => Array.from(
     document.querySelectorAll(`[data-chart="${chart}"] tbody tr td:nth-child(${n})`),
     (td) => Number(td.textContent)).some((v) => v > 0)"""
-#: Whether a column of a chart's data table has a value at all ("–": none). A
+#: Whether a column of a chart's data table has a value at all (a dash: none). A
 #: dispatch latency may be 0: a claim made by the transaction that assigns
 #: shares its commit, and so its time.
 MEASURED = """(chart, n) => Array.from(
