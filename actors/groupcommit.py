@@ -1,28 +1,36 @@
 """Group commit: concurrent transitions share one transaction.
 
-Two writers, one shape. ``RenewBatcher`` groups lease renewals into
+Four batchers, one shape. ``RenewBatcher`` groups lease renewals into
 ``repo.renew_many`` (one read and one multi-row conditional write, each its own
 transaction in autocommit); ``TransitionBatcher`` groups the other fenced host
 transitions (claim, ack, progress, result) into ``repo.run_many`` (the same two
 statements for claims, acks and results; otherwise one transaction, one
-commit). There is no batching delay: while up to ``max_inflight`` batches are
-being committed, new work queues up, and the next free flusher takes everything
+commit); ``HeartbeatBatcher`` and ``PendingReader`` group an idle fleet's
+periodic requests, heartbeats of unchanged snapshots and long-poll reads, into
+one statement each (``persistence/repository/periodic.py``).
+
+Transitions wait for no one: while up to ``max_inflight`` batches are being
+committed, new work queues up, and the next free flusher takes everything
 queued (up to ``max_batch``). At low load a transition is a batch of one (its
 own transaction, as without group commit); under load the batches grow by
 themselves and a commit is shared by many. Each caller still waits for the
 commit of its own batch before anyone replies, and gets its own outcome: one
 entry's refusal never rolls back another's.
 
-Renewals are the exception to "no delay": ``RenewBatcher`` lingers
-``linger_s`` (10 ms) before taking a batch. Hosts renew spread out in time, so
-without a delay each renewal was a transaction of its own (10,000 leases renewed
-every 10 s: a thousand transactions a second); a lease is tens of seconds long,
-so 10 ms more per renewal costs nothing, and one commit then carries about ten.
+The periodic requests linger ``linger_s`` before taking a batch: renewals and
+heartbeats 10 ms, long-poll reads 5 ms. Hosts send them spread out in time, so
+without a delay each was a statement of its own (10,000 leases renewed every
+10 s: a thousand transactions a second; 2,000 hosts: 400 heartbeats and 400
+returning long-polls a second); a lease is tens of seconds long and a
+heartbeat period seconds, so 10 ms more costs nothing, and one statement then
+carries several. A long-poll read lingers less: the assignment it finds (one
+made while no poll of its host was parked) waits those milliseconds too.
 Only one flusher lingers at a time (the others may still be committing), and a
 full batch ends the wait.
 
 Runs on the event loop: Lease actors reach the transition batcher through
-``Bridge.run``; renewals come straight from the facade (``actors/runtime.py``).
+``Bridge.run``; renewals, heartbeats and long-poll reads come straight from the
+facade (``actors/runtime.py``, ``actors/longpoll.py``).
 """
 
 from __future__ import annotations
@@ -36,8 +44,9 @@ from typing import Any, Generic, TypeVar
 import structlog
 
 from fleetlease.ops.observe import metrics
-from fleetlease.persistence.model import LeaseStatus
+from fleetlease.persistence.model import Assignment, LeaseStatus, Session
 from fleetlease.persistence.repository import Renewal, Repository, Transition
+from fleetlease.persistence.repository.periodic import Pending
 
 log = structlog.get_logger("fleetlease.groupcommit")
 
@@ -153,6 +162,56 @@ class RenewBatcher(_GroupCommit[Renewal, LeaseStatus]):
 
     async def _commit(self, items: Sequence[Renewal]) -> Sequence[LeaseStatus | Exception]:
         return await self.repo.renew_many(items)
+
+
+class HeartbeatBatcher(_GroupCommit[tuple[Session, str], None]):
+    """Heartbeats of unchanged snapshots, many to one statement
+    (``repo.heartbeats_unchanged``); periodic, so they linger as renewals do."""
+
+    KIND = "heartbeat"
+
+    def __init__(
+        self,
+        repo: Repository,
+        *,
+        max_batch: int = 256,
+        max_inflight: int = 2,
+        linger_s: float = 0.01,
+    ) -> None:
+        super().__init__(repo, max_batch=max_batch, max_inflight=max_inflight, linger_s=linger_s)
+
+    async def beat(self, session: Session, digest: str) -> None:
+        await self.submit((session, digest))
+
+    async def _commit(self, items: Sequence[tuple[Session, str]]) -> Sequence[Exception | None]:
+        return await self.repo.heartbeats_unchanged(items)
+
+
+class PendingReader(_GroupCommit[Pending, list[Assignment]]):
+    """Long-poll reads of a host's pending assignments, many to one statement
+    (``repo.sessions_pending``). A read lingers ``linger_s`` (5 ms) for others:
+    most are claims coming back empty after their wait, and an assignment a
+    read finds was made while no poll of its host was parked."""
+
+    KIND = "pending_read"
+
+    def __init__(
+        self,
+        repo: Repository,
+        *,
+        max_batch: int = 256,
+        max_inflight: int = 2,
+        linger_s: float = 0.005,
+    ) -> None:
+        super().__init__(repo, max_batch=max_batch, max_inflight=max_inflight, linger_s=linger_s)
+
+    async def read(
+        self, session: Session, device_ids: Sequence[str], limit: int | None
+    ) -> list[Assignment]:
+        return await self.submit((session, tuple(device_ids), limit))
+
+    async def _commit(self, items: Sequence[Pending]) -> Sequence[list[Assignment] | Exception]:
+        return await self.repo.sessions_pending(items)
 
 
 class TransitionBatcher(_GroupCommit[Transition, Any]):

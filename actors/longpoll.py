@@ -426,10 +426,12 @@ class LongPollBroker:
         # reading them all for each of its polls would load the event loop. The
         # limit also covers those other polls of this process are claiming.
         read_at, forgets = self._cp.loop.time(), self._forgets
+        limit = len(self._claiming) + 16
+        reader = self._cp.pending_reader
         pending: list[Assignment] = await self._cp._bounded(
-            self._cp.repo.session_pending(
-                session, device_ids=device_ids, limit=len(self._claiming) + 16
-            )
+            reader.read(session, device_ids, limit)
+            if reader is not None
+            else self._cp.repo.session_pending(session, device_ids=device_ids, limit=limit)
         )
         if not pending and device_ids and forgets == self._forgets:
             self._mark_known_empty(session, device_ids, read_at + _KNOWN_EMPTY_S)

@@ -63,7 +63,12 @@ from pykka import ActorDeadError, ActorRef
 
 from fleetlease.actors.base import LEASE_THREADS, REDELIVERIES, Context, NotDelivered, Stats
 from fleetlease.actors.bridge import Bridge, Reply
-from fleetlease.actors.groupcommit import RenewBatcher, TransitionBatcher
+from fleetlease.actors.groupcommit import (
+    HeartbeatBatcher,
+    PendingReader,
+    RenewBatcher,
+    TransitionBatcher,
+)
 from fleetlease.actors.lease import LeaseActor
 from fleetlease.actors.longpoll import LongPollBroker
 from fleetlease.actors.messages import (
@@ -179,6 +184,9 @@ class ControlPlane:
         self._ticker: asyncio.Task[None] | None = None
         self._batcher: RenewBatcher | None = None
         self._tbatcher: TransitionBatcher | None = None
+        self._hbatcher: HeartbeatBatcher | None = None
+        #: The long-poll reads' group commit (``LongPollBroker``).
+        self.pending_reader: PendingReader | None = None
         self._ctx: Context | None = None
         self._sup: Supervisor | None = None
         self.stats = Stats()
@@ -211,6 +219,8 @@ class ControlPlane:
         bridge = Bridge(self._loop)
         self._batcher = RenewBatcher(self.repo) if self.group_commit else None
         self._tbatcher = TransitionBatcher(self.repo) if self.group_commit else None
+        self._hbatcher = HeartbeatBatcher(self.repo) if self.group_commit else None
+        self.pending_reader = PendingReader(self.repo) if self.group_commit else None
         self._ctx = Context(
             repo=self.repo,
             bridge=bridge,
@@ -256,7 +266,7 @@ class ControlPlane:
                 await asyncio.wait_for(self._idle.wait(), grace_s)
         refs = self._sup.shutdown()
         await self.loop.run_in_executor(None, Supervisor.stop_actors, refs, grace_s)
-        for batcher in (self._batcher, self._tbatcher):
+        for batcher in (self._batcher, self._tbatcher, self._hbatcher, self.pending_reader):
             if batcher is not None:
                 await batcher.close()
         self._started = False
@@ -350,7 +360,12 @@ class ControlPlane:
         """A heartbeat without a snapshot (``Repository.heartbeat_unchanged``):
         nothing the Scheduler matches on changed, so it is not woken."""
         async with self._request():
-            await self._bounded(self.repo.heartbeat_unchanged(session, digest))
+            hb = self._hbatcher
+            await self._bounded(
+                hb.beat(session, digest)
+                if hb is not None
+                else self.repo.heartbeat_unchanged(session, digest)
+            )
 
     async def reconcile(self, session: Session, entries: Sequence[JournalEntry]) -> ReconcileReport:
         async with self._request():

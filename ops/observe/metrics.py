@@ -43,7 +43,7 @@ GCCollector(registry=REGISTRY)
 _STATES = frozenset(s.value for s in TaskState)
 _REASONS = frozenset(r.value for r in EndReason)
 _CODES = frozenset(ERROR_CODES)
-_BATCH_KINDS = frozenset({"renew", "transition", "replay"})
+_BATCH_KINDS = frozenset({"renew", "transition", "replay", "heartbeat", "pending_read"})
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 TRANSITIONS = Counter(

@@ -49,6 +49,7 @@ from fleetlease.persistence.repository.assign import AssignMixin
 from fleetlease.persistence.repository.cancel import CancelMixin
 from fleetlease.persistence.repository.drain import DrainMixin
 from fleetlease.persistence.repository.leases import Renewal
+from fleetlease.persistence.repository.periodic import PeriodicMixin
 from fleetlease.persistence.repository.reconcile import ReconcileMixin
 from fleetlease.persistence.repository.replay import ReplayMixin
 from fleetlease.persistence.repository.results import ResultMixin
@@ -72,6 +73,7 @@ class Repository(
     ReconcileMixin,
     SideChannelMixin,
     ReplayMixin,
+    PeriodicMixin,
 ):
     """The durable scheduling repository (see the package documentation above): one
     class composed of one mixin per role, each in its own module."""

@@ -29,6 +29,7 @@ from fleetlease.persistence.errors import (
     Unavailable,
 )
 from fleetlease.persistence.model import (
+    DeviceSnapshot,
     JournalEntry,
     LeaseTimings,
     Outcome,
@@ -368,6 +369,12 @@ class _CountingRepository(Repository):
             return await super().session_pending(session, **kw)
         finally:
             self.pending_reads += 1
+
+    async def sessions_pending(self, reads: Any) -> list[Any]:
+        try:
+            return await super().sessions_pending(reads)
+        finally:
+            self.pending_reads += len(reads)
 
 
 @pytest.fixture
@@ -1218,3 +1225,21 @@ async def test_the_loop_stays_responsive_while_a_thousand_lease_asks_are_in_flig
     finally:
         failpoints.disarm()  # releases anything still parked
         await cp.stop()
+
+
+async def test_concurrent_heartbeats_and_long_poll_reads_share_statements(
+    cp: ControlPlane,
+) -> None:
+    hosts = [await SimHost.create(cp, cp.repo, f"h{i}", n_devices=2) for i in range(8)]
+    for h in hosts:
+        await cp.heartbeat(h.s, [DeviceSnapshot(device_id=d) for d in h.devices], digest="v1")
+    hb, reader = cp._hbatcher, cp.pending_reader
+    assert hb is not None and reader is not None
+    beats, reads = hb.batches, reader.batches
+    await asyncio.gather(*(cp.heartbeat_unchanged(h.s, "v1") for h in hosts))
+    assert await asyncio.gather(*(h.claim(device_ids=h.devices) for h in hosts)) == [None] * 8
+    # Each got its answer; together they took fewer statements than requests.
+    assert hb.items >= 8 and 1 <= hb.batches - beats < 8
+    assert reader.items >= 8 and 1 <= reader.batches - reads < 8
+    with pytest.raises(Conflict):
+        await cp.heartbeat_unchanged(hosts[0].s, "v2")
