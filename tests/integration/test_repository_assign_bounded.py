@@ -5,10 +5,13 @@ serve), spread over many hosts when long-polls wait for the devices."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import asyncpg as pg_asyncpg
 
 from fleetlease.persistence.model import DeviceSnapshot, HostAdvert, Session, TaskKind, TaskSpec
 from fleetlease.persistence.repository import _assign_sql, assign
@@ -170,3 +173,51 @@ async def test_tasks_no_free_device_meets_do_not_hide_those_behind_them(world: W
     got = await world.repo.assign(limit=2)
 
     assert sorted(a.task_id for a in got) == sorted(behind)
+
+
+def _scans_of(plan: dict[str, Any], relation: str) -> list[dict[str, Any]]:
+    found = [plan] if plan.get("Relation Name") == relation else []
+    for child in plan.get("Plans", ()):
+        found.extend(_scans_of(child, relation))
+    return found
+
+
+async def test_the_sample_walks_few_hosts_even_when_the_hosts_statistics_are_stale(
+    world: World,
+) -> None:
+    await fleet(world, hosts=200, devices=5)
+    async with world.engine.begin() as conn:
+        # Statistics taken before the fleet registered and heartbeated, as
+        # after any burst of registrations: they say that no host is live.
+        await conn.execute(
+            sa.text(
+                "UPDATE hosts SET session_generation = 0, last_seen = last_seen - interval '1 hour'"
+            )
+        )
+        await conn.execute(sa.text("ANALYZE hosts"))
+        await conn.execute(
+            sa.text(
+                "UPDATE hosts SET session_generation = 1, last_seen = last_seen + interval '1 hour'"
+            )
+        )
+    compiled = _assign_sql._free_sample_stmt().compile(dialect=pg_asyncpg.dialect())
+    params = {
+        **world.repo._free_params(world.clock.now()),
+        "q_i": [0, 1],
+        "q_selector": ["{}", "{}"],
+        "q_workflow": [None, None],
+        "q_want": [6, 6],
+        "q_per_host": [1, 6],
+    }
+    values = [params.get(n, compiled.params.get(n)) for n in compiled.positiontup or ()]
+    async with world.engine.connect() as conn:
+        raw = (await conn.get_raw_connection()).driver_connection
+        assert raw is not None
+        explained = await raw.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + compiled.string, *values)
+    if isinstance(explained, str):
+        explained = json.loads(explained)
+    plan = explained[0]["Plan"]
+    # Six devices of six hosts, and six of the first: a few hosts read, not
+    # all 200 of them sorted.
+    (hosts_scan,) = _scans_of(plan, "hosts")
+    assert hosts_scan["Actual Rows"] * hosts_scan["Actual Loops"] < 50, hosts_scan
