@@ -10,10 +10,11 @@ generation have verified and before the message acts: the nonce is recorded
 in PostgreSQL (``replay_nonces``, ``Repository.record_nonces``), and a nonce
 any process recorded before is refused (``unauthorized``, reason ``replay``).
 
-* Group commit, as the host transitions do: concurrent checks share one
-  ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` in autocommit. While
-  ``max_inflight`` inserts are running, new checks queue and the next free
-  flusher takes all of them (up to ``max_batch``). A check that someone waits
+* Group commit (``persistence/groupcommit.py``), as the host transitions
+  do: concurrent checks share one ``INSERT ... ON CONFLICT DO NOTHING
+  RETURNING`` in autocommit. While ``max_inflight`` inserts are running, new
+  checks queue and the next free flusher takes all of them (up to
+  ``max_batch``). A check that someone waits
   on (a claim, an ack, a result: ``urgent``) never waits for a batch to fill;
   the periodic messages (heartbeats, renewals, progress, cancel polls, log
   lines: not urgent) linger up to ``linger_s`` (10 ms, as renewals do in
@@ -48,16 +49,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from fleetlease.ops.observe import metrics
 from fleetlease.persistence.clock import Clock
 from fleetlease.persistence.errors import Unavailable
+from fleetlease.persistence.groupcommit import GroupCommit
 from fleetlease.transport.auth import AuthError
 
 if TYPE_CHECKING:
@@ -79,12 +80,39 @@ def register_scope(host_id: str) -> str:
     return f"register:{host_id}"
 
 
+class _Ledger(GroupCommit[_Entry, bool]):
+    """The nonce inserts, group-committed: True for a nonce seen for the first
+    time. A batch the database has not answered within ``timeout_s``,
+    connecting included (after a failover the pool connects host by host),
+    is ``Unavailable``."""
+
+    KIND = "replay"
+    MAX_BATCH = 512
+    MAX_INFLIGHT = 4
+    LINGER_S = 0.01
+
+    def __init__(self, repo: Repository, *, timeout_s: float, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.repo = repo
+        self.timeout_s = timeout_s
+
+    async def _commit(self, items: Sequence[_Entry]) -> Sequence[bool]:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self.repo.record_nonces(items, timeout_s=self.timeout_s)
+        except TimeoutError:
+            raise Unavailable("the replay check did not answer in time") from None
+
+    def _observe(self, size: int, started: float) -> None:
+        metrics.group_committed(self.KIND, size, started)
+
+
 class SharedReplay:
     """The replay check shared through the database (see the module doc).
     Runs on the event loop."""
 
     #: Statements in flight at once (the ledger's pool needs one more, to prune).
-    MAX_INFLIGHT = 4
+    MAX_INFLIGHT = _Ledger.MAX_INFLIGHT
 
     def __init__(
         self,
@@ -93,19 +121,17 @@ class SharedReplay:
         *,
         window_s: float,
         margin_s: float | None = None,
-        max_batch: int = 512,
+        max_batch: int = _Ledger.MAX_BATCH,
         max_inflight: int = MAX_INFLIGHT,
         prune_interval_s: float | None = None,
         prune_batch: int = 5000,
         timeout_s: float = 5.0,
-        linger_s: float = 0.01,
+        linger_s: float = _Ledger.LINGER_S,
     ) -> None:
         if not window_s > 0:
             raise ValueError(f"window_s must be positive, got {window_s!r}")
-        if not linger_s >= 0:
-            raise ValueError(f"linger_s must not be negative, got {linger_s!r}")
-        if max_batch < 1 or max_inflight < 1 or prune_batch < 1:
-            raise ValueError("max_batch, max_inflight and prune_batch must be at least 1")
+        if prune_batch < 1:
+            raise ValueError("prune_batch must be at least 1")
         self.repo = repo
         self._clock = clock
         self.window = timedelta(seconds=window_s)
@@ -113,24 +139,30 @@ class SharedReplay:
         self.margin = timedelta(seconds=window_s if margin_s is None else margin_s)
         if self.margin < timedelta(0):
             raise ValueError(f"margin_s must not be negative, got {margin_s!r}")
-        self.max_batch = max_batch
-        self.max_inflight = max_inflight
         self.prune_interval_s = window_s if prune_interval_s is None else prune_interval_s
         self.prune_batch = prune_batch
         #: A check the database has not answered within this is ``unavailable``.
         self.timeout_s = timeout_s
-        self.linger_s = linger_s
-        self._pending: list[tuple[_Entry, asyncio.Future[bool], bool]] = []
-        #: Urgent checks pending; set ``_go`` for a lingering flusher.
-        self._urgent = 0
-        self._go = asyncio.Event()
-        self._lingering = False
-        self._flushers: set[asyncio.Task[None]] = set()
+        self._ledger = _Ledger(
+            repo,
+            timeout_s=timeout_s,
+            max_batch=max_batch,
+            max_inflight=max_inflight,
+            linger_s=linger_s,
+        )
         self._pruner: asyncio.Task[None] | None = None
-        #: Statements run, the checks they carried, the replays refused.
-        self.batches = 0
-        self.items = 0
+        #: Replays refused.
         self.refused = 0
+
+    @property
+    def batches(self) -> int:
+        """Statements run."""
+        return self._ledger.batches
+
+    @property
+    def items(self) -> int:
+        """Checks those statements carried."""
+        return self._ledger.items
 
     async def check(self, scope: str, nonce: bytes, ts_ms: int, *, urgent: bool = True) -> None:
         """Record ``(scope, nonce)`` of a message signed at ``ts_ms``; AuthError
@@ -138,74 +170,9 @@ class SharedReplay:
         ``RepositoryError``, code ``unavailable``) if the database cannot say.
         Not ``urgent``: the check may linger (see the module doc)."""
         expires_at = datetime.fromtimestamp(ts_ms / 1000, UTC) + self.window
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[bool] = loop.create_future()
-        self._pending.append(((scope, nonce, expires_at), fut, urgent))
-        if urgent:
-            self._urgent += 1
-            self._go.set()
-        elif len(self._pending) >= self.max_batch:
-            self._go.set()
-        if len(self._flushers) < self.max_inflight:
-            task = loop.create_task(self._flush())
-            self._flushers.add(task)
-            task.add_done_callback(self._flushers.discard)  # also if never run
-        if not await fut:
+        if not await self._ledger.submit((scope, nonce, expires_at), urgent=urgent):
             self.refused += 1
             raise AuthError("replayed message", reason="replay")
-
-    async def _flush(self) -> None:
-        try:
-            await self._flush_pending()
-        finally:
-            # At once, not by a done-callback a loop iteration later: a check
-            # arriving in between must see the room and start a flusher.
-            self._flushers.discard(asyncio.current_task())
-
-    async def _flush_pending(self) -> None:
-        while self._pending:
-            if self.linger_s and not self._urgent and len(self._pending) < self.max_batch:
-                if self._lingering:
-                    return  # another flusher is collecting these
-                self._lingering = True
-                self._go.clear()
-                try:
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(self.linger_s):
-                            await self._go.wait()
-                finally:
-                    self._lingering = False
-            taken = self._pending[: self.max_batch]
-            del self._pending[: self.max_batch]
-            self._urgent -= sum(1 for _, _, u in taken if u)
-            batch = [(e, f) for e, f, _ in taken if not f.done()]
-            if not batch:
-                continue
-            self.batches += 1
-            self.items += len(batch)
-            started = time.perf_counter()
-            try:
-                # The whole check, connecting included (after a failover the
-                # pool connects host by host), within ``timeout_s``.
-                async with asyncio.timeout(self.timeout_s):
-                    fresh: Sequence[bool] = await self.repo.record_nonces(
-                        [e for e, _ in batch], timeout_s=self.timeout_s
-                    )
-                metrics.group_committed("replay", len(batch), started)
-            except TimeoutError:
-                lost = Unavailable("the replay check did not answer in time")
-                for _, f in batch:
-                    if not f.done():
-                        f.set_exception(lost)
-                continue
-            except Exception as exc:
-                for _, f in batch:
-                    if not f.done():
-                        f.set_exception(exc)
-                continue
-            for (_, f), new in zip(batch, fresh, strict=True):
-                if not f.done():
-                    f.set_result(new)
 
     # --- pruning -----------------------------------------------------------------
     def start(self) -> None:
@@ -220,8 +187,7 @@ class SharedReplay:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pruner
             self._pruner = None
-        if self._flushers:
-            await asyncio.gather(*self._flushers, return_exceptions=True)
+        await self._ledger.close()
 
     async def prune(self) -> int:
         """Delete every row this process's clock says no process still needs
