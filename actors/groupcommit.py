@@ -111,7 +111,7 @@ class PendingReader(_GroupCommit[Pending, list[Assignment]]):
     async def read(
         self, session: Session, device_ids: Sequence[str], limit: int | None
     ) -> list[Assignment]:
-        return await self.submit((session, tuple(device_ids), limit))
+        return await self.submit((session, device_ids, limit))
 
     async def _commit(self, items: Sequence[Pending]) -> Sequence[list[Assignment] | Exception]:
         return await self.repo.sessions_pending(items)

@@ -83,7 +83,8 @@ class GroupCommit(Generic[I, R]):
             self._go.set()
         elif len(self._pending) >= self.max_batch:
             self._go.set()
-        if len(self._flushers) < self.max_inflight:
+        # A lingering flusher takes what is queued: no task for each item then.
+        if not self._lingering and len(self._flushers) < self.max_inflight:
             task = loop.create_task(self._flush())
             self._flushers.add(task)
             task.add_done_callback(self._flushers.discard)  # also if never run
@@ -128,11 +129,11 @@ class GroupCommit(Generic[I, R]):
             started = time.perf_counter()
             try:
                 results = await self._commit([item for item, _ in batch])
-                self._observe(len(batch), started)
             except Exception as exc:
                 for _, f in batch:
                     _fail(f, exc)
                 continue
+            self._observe(len(batch), started)
             if len(results) != len(batch):
                 err = RuntimeError("a batch returned a wrong number of outcomes")
                 for _, f in batch:

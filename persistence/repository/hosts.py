@@ -271,11 +271,7 @@ class HostMixin(ExpiryMixin):
                 or row.session_generation != session.generation
             ):
                 raise _unauthorized(session)
-            raise Conflict(
-                "device snapshot unknown: send the complete snapshot",
-                reason="snapshot_unknown",
-                host_id=session.host_id,
-            )
+            raise _snapshot_unknown(session)
 
         # One conditional write, atomic by itself: no BEGIN / COMMIT round trips.
         await self._tx("heartbeat_unchanged", run, autocommit=True, driver=True)
@@ -307,3 +303,13 @@ class HostMixin(ExpiryMixin):
 def _check_digest(digest: object) -> None:
     if digest is not None and (not isinstance(digest, str) or not 0 < len(digest) <= 128):
         raise Invalid("digest must be a string of 1-128 characters", field="digest")
+
+
+def _snapshot_unknown(session: Session) -> Conflict:
+    """``heartbeat_unchanged``'s refusal: the stored digest is another, or a
+    device row of the host changed since it was written."""
+    return Conflict(
+        "device snapshot unknown: send the complete snapshot",
+        reason="snapshot_unknown",
+        host_id=session.host_id,
+    )

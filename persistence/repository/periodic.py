@@ -10,12 +10,15 @@ around it, not the work. The group commit of the control plane
 answer a whole batch with one statement and give each entry its own outcome,
 exactly the one the single-entry method would have given:
 
-* ``heartbeats_unchanged``: one ``UPDATE`` of every host whose session, stored
-  digest and device rows say the heartbeat may refresh ``last_seen`` (host
-  rows locked in host id order, as ``_lock_hosts`` does); an entry it did not
-  refresh, or a second heartbeat of one host in the batch, is answered by
-  ``heartbeat_unchanged`` itself, which says why (``Unauthorized``, or
-  ``Conflict`` ``snapshot_unknown``).
+* ``heartbeats_unchanged``: one statement refreshes ``last_seen`` of every
+  host whose session, stored digest and device rows allow it, and reads, for
+  the others, why not (``Unauthorized``, or ``Conflict`` ``snapshot_unknown``).
+  It never waits for a row lock: it takes the weakest lock an update of
+  ``last_seen`` takes (``FOR NO KEY UPDATE``, which the inserts referencing a
+  host do not conflict with) and skips a host row another transaction holds,
+  so it cannot be part of a deadlock, whatever order others lock hosts in. An
+  entry whose host was skipped, or a second heartbeat of one host in the
+  batch, is answered by ``heartbeat_unchanged`` itself.
 * ``sessions_pending``: one read of every entry's host session and pending
   assignments (at most its limit, on its devices when it names them), in the
   order and with the checks of ``session_pending``.
@@ -23,6 +26,7 @@ exactly the one the single-entry method would have given:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -32,11 +36,11 @@ from fleetlease.persistence.model import Assignment, Session, TaskState
 from fleetlease.persistence.repository._assign_sql import _pending_params
 from fleetlease.persistence.repository._validate import _check_session
 from fleetlease.persistence.repository.fencing import _session_ok, _unauthorized
-from fleetlease.persistence.repository.hosts import HostMixin, _check_digest
+from fleetlease.persistence.repository.hosts import HostMixin, _check_digest, _snapshot_unknown
 
-#: The hosts whose heartbeat ``(host_id, generation, digest)`` may refresh
-#: ``last_seen`` (the conditions of ``_host_alive_stmt``), locked in host id
-#: order, then refreshed.
+#: Per heartbeat ``(host_id, generation, digest)``: refreshed or not (the
+#: conditions of ``_host_alive_stmt``; rows another transaction holds are
+#: skipped), and the host row as the statement found it, to say why not.
 _ALIVE_SQL = """
 WITH v AS (
     SELECT * FROM unnest($1::text[], $2::int[], $3::text[]) AS v(host_id, generation, digest)
@@ -51,11 +55,22 @@ WITH v AS (
           SELECT 1 FROM devices d
           WHERE d.host_id = h.host_id AND d.updated_at > h.devices_synced_at
       )
-    ORDER BY h.host_id
-    FOR UPDATE OF h
+    FOR NO KEY UPDATE OF h SKIP LOCKED
+), done AS (
+    UPDATE hosts h SET last_seen = $4 FROM ok WHERE h.host_id = ok.host_id
+    RETURNING h.host_id
 )
-UPDATE hosts h SET last_seen = $4 FROM ok WHERE h.host_id = ok.host_id
-RETURNING h.host_id
+SELECT v.host_id, done.host_id IS NOT NULL AS refreshed,
+       h.session_generation, h.revoked_at,
+       h.devices_digest IS NOT DISTINCT FROM v.digest
+           AND h.devices_synced_at IS NOT NULL
+           AND NOT EXISTS (
+               SELECT 1 FROM devices d
+               WHERE d.host_id = h.host_id AND d.updated_at > h.devices_synced_at
+           ) AS same
+FROM v
+LEFT JOIN done ON done.host_id = v.host_id
+LEFT JOIN hosts h ON h.host_id = v.host_id
 """
 
 #: Per entry ``i`` (host, limit, whether it names devices; the devices as
@@ -118,7 +133,7 @@ class PeriodicMixin(HostMixin):
         if first:
             idx = list(first.values())
 
-            async def run(conn: Any, now: datetime) -> set[str]:
+            async def run(conn: Any, now: datetime) -> dict[str, Any]:
                 rows = await conn.fetch(
                     _ALIVE_SQL,
                     [beats[i][0].host_id for i in idx],
@@ -126,21 +141,41 @@ class PeriodicMixin(HostMixin):
                     [beats[i][1] for i in idx],
                     now,
                 )
-                return {r["host_id"] for r in rows}
+                return {r["host_id"]: r for r in rows}
 
             try:
-                refreshed = await self._raw("heartbeats_unchanged", run)
+                found = await self._raw("heartbeats_unchanged", run)
             except RepositoryError as exc:
                 for i in idx:
                     out[i] = exc
-                refreshed = set(first)
-            again.extend(i for i in idx if beats[i][0].host_id not in refreshed)
-        for i in sorted(again):
-            # Refused (it says why) or a host's second heartbeat in the batch.
-            try:
-                await self.heartbeat_unchanged(*beats[i])
-            except RepositoryError as exc:
-                out[i] = exc
+                return out  # the database is not answering: no fallback
+            for i in idx:
+                session = beats[i][0]
+                r = found[session.host_id]
+                if r["refreshed"]:
+                    continue
+                # As ``heartbeat_unchanged`` tells a refusal apart.
+                if (
+                    r["session_generation"] is None
+                    or r["revoked_at"] is not None
+                    or r["session_generation"] != session.generation
+                ):
+                    out[i] = _unauthorized(session)
+                elif not r["same"]:
+                    out[i] = _snapshot_unknown(session)
+                else:
+                    again.append(i)  # its row was held by another transaction
+        if again:
+            # Rare: answered one by one (the single statement waits for the row).
+            async def single(i: int) -> Exception | None:
+                try:
+                    await self.heartbeat_unchanged(*beats[i])
+                except RepositoryError as exc:
+                    return exc
+                return None
+
+            for i, outcome in zip(again, await asyncio.gather(*map(single, again)), strict=True):
+                out[i] = outcome
         return out
 
     async def sessions_pending(

@@ -12,6 +12,7 @@ import sqlalchemy as sa
 
 from fleetlease.persistence.errors import Conflict, Invalid, RepositoryError, Unauthorized
 from fleetlease.persistence.model import Assignment, DeviceSnapshot, Session
+from tests.chaos.harness import wait_until
 from tests.integration.test_repository_support import World, world
 
 __all__ = ["world"]
@@ -161,3 +162,57 @@ async def test_a_batch_of_pending_reads_gives_each_the_single_reads_answer(world
                 assert set(batched) == set(single)
         else:
             assert _kind(single) == _kind(batched)
+
+
+async def _hold(w: World, lock: str, *host_ids: str) -> tuple[Any, Any]:
+    """An open transaction holding these host rows ``FOR <lock>``."""
+    conn = await w.engine.connect()
+    tx = await conn.begin()
+    await conn.execute(
+        sa.text(f"SELECT 1 FROM hosts WHERE host_id = ANY(:ids) FOR {lock}"),
+        {"ids": list(host_ids)},
+    )
+    return conn, tx
+
+
+async def test_a_batch_of_heartbeats_does_not_wait_for_hosts_that_new_rows_reference(
+    world: World,
+) -> None:
+    a = await _digested(world, "ha", "d1")
+    b = await _digested(world, "hb", "d1")
+    world.clock.advance(5)
+    # What an assignment inserting attempts of both hosts holds (the foreign
+    # key): the batch's lock must not conflict with it, or the two could wait
+    # for each other.
+    conn, tx = await _hold(world, "KEY SHARE", "hb", "ha")
+    try:
+        async with asyncio.timeout(20):  # a hang guard, not a measurement
+            out = await world.repo.heartbeats_unchanged([(a, "v1"), (b, "v1")])
+        assert out == [None, None]
+    finally:
+        await tx.rollback()
+        await conn.close()
+
+
+async def test_a_host_row_held_elsewhere_is_skipped_by_the_batch_and_answered_alone(
+    world: World,
+) -> None:
+    a = await _digested(world, "ha", "d1")
+    b = await _digested(world, "hb", "d1")
+    world.clock.advance(5)
+    before = await _hosts(world)
+    conn, tx = await _hold(world, "NO KEY UPDATE", "hb")  # a heartbeat of hb in flight
+    batch = asyncio.ensure_future(world.repo.heartbeats_unchanged([(a, "v1"), (b, "v1")]))
+    try:
+        # ha is refreshed by the batch at once; hb waits for its row alone.
+        async def ha_refreshed() -> bool:
+            return bool((await _hosts(world))["ha"][0] == world.clock.now())
+
+        await wait_until(ha_refreshed, what="ha refreshed")
+        assert not batch.done()
+        assert (await _hosts(world))["hb"] == before["hb"]
+    finally:
+        await tx.commit()
+        await conn.close()
+    assert await batch == [None, None]
+    assert (await _hosts(world))["hb"][0] == world.clock.now()
