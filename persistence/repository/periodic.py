@@ -13,9 +13,9 @@ exactly the one the single-entry method would have given:
 * ``heartbeats_unchanged``: one statement refreshes ``last_seen`` of every
   host whose session, stored digest and device rows allow it, and reads, for
   the others, why not (``Unauthorized``, or ``Conflict`` ``snapshot_unknown``).
-  It never waits for a row lock: it takes the weakest lock an update of
-  ``last_seen`` takes (``FOR NO KEY UPDATE``, which the inserts referencing a
-  host do not conflict with) and skips a host row another transaction holds,
+  It never waits for a row lock: it takes the lock an update of ``last_seen``
+  alone takes (``FOR NO KEY UPDATE``, which the inserts referencing a host do
+  not conflict with) and skips a host row another transaction holds,
   so it cannot be part of a deadlock, whatever order others lock hosts in. An
   entry whose host was skipped, or a second heartbeat of one host in the
   batch, is answered by ``heartbeat_unchanged`` itself.
