@@ -63,32 +63,97 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-async def _pump(
-    stream: asyncio.StreamReader, on_line: Callable[[str], None], tail: deque[str]
-) -> None:
-    buf = b""
-    dropping = False
-    while True:
-        chunk = await stream.read(_READ_CHUNK)
-        if not chunk:
-            break
-        buf += chunk
+class _Lines:
+    """Splits output into lines as it arrives; a line longer than
+    ``MAX_LINE_BYTES`` is cut there and the rest of it dropped."""
+
+    def __init__(self, on_line: Callable[[str], None], tail: deque[str]) -> None:
+        self.on_line = on_line
+        self.tail = tail
+        self.buf = b""
+        self.dropping = False
+
+    def feed(self, chunk: bytes) -> None:
+        self.buf += chunk
         while True:
-            nl = buf.find(b"\n")
+            nl = self.buf.find(b"\n")
             if nl < 0:
                 break
-            line, buf = buf[:nl], buf[nl + 1 :]
-            if dropping:
-                dropping = False
+            line, self.buf = self.buf[:nl], self.buf[nl + 1 :]
+            if self.dropping:
+                self.dropping = False
                 continue
-            _emit(line, on_line, tail)
-        if len(buf) > MAX_LINE_BYTES:
-            if not dropping:
-                _emit(buf[:MAX_LINE_BYTES], on_line, tail)
-            dropping = True
-            buf = b""
-    if buf and not dropping:
-        _emit(buf, on_line, tail)
+            _emit(line, self.on_line, self.tail)
+        if len(self.buf) > MAX_LINE_BYTES:
+            if not self.dropping:
+                _emit(self.buf[:MAX_LINE_BYTES], self.on_line, self.tail)
+            self.dropping = True
+            self.buf = b""
+
+    def end(self) -> None:
+        if self.buf and not self.dropping:
+            _emit(self.buf, self.on_line, self.tail)
+        self.buf = b""
+
+
+class _PipeReader:
+    """Reads the output pipe with the loop's ``add_reader`` and closes it once.
+
+    Not ``loop.connect_read_pipe``: under uvloop that transport closes the
+    descriptor's number twice (libuv's close, then the file object's), and a
+    descriptor another thread opened in between is closed under it. Here the
+    number has one owner: this reader. ``done`` resolves at end of output.
+    """
+
+    def __init__(self, fd: int, lines: _Lines) -> None:
+        self.fd = fd
+        self.lines = lines
+        self.loop = asyncio.get_running_loop()
+        self.done: asyncio.Future[None] = self.loop.create_future()
+        self.closed = False
+        os.set_blocking(fd, False)
+        self.loop.add_reader(fd, self._readable)
+
+    def _readable(self) -> None:
+        try:
+            chunk = os.read(self.fd, _READ_CHUNK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._finish(exc)
+            return
+        if not chunk:
+            self._finish(None)
+            return
+        try:
+            self.lines.feed(chunk)
+        except Exception as exc:
+            self._finish(exc)
+
+    def _finish(self, exc: BaseException | None) -> None:
+        self.loop.remove_reader(self.fd)
+        if self.done.done():
+            return
+        if exc is not None:
+            self.done.set_exception(exc)
+            return
+        try:
+            self.lines.end()
+        except Exception as end_exc:
+            self.done.set_exception(end_exc)
+        else:
+            self.done.set_result(None)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.loop.remove_reader(self.fd)
+        os.close(self.fd)
+        if not self.done.done():
+            self.done.cancel()
+        elif not self.done.cancelled():
+            self.done.exception()  # retrieved: the caller has what it needs
 
 
 def _emit(raw: bytes, on_line: Callable[[str], None], tail: deque[str]) -> None:
@@ -135,20 +200,14 @@ async def run_process_group(
     finally:
         os.close(write_fd)
     pgid = proc.pid  # a new session's leader: its pid is the group id
-    if on_start is not None:
-        on_start(pgid)
     tail: deque[str] = deque(maxlen=TAIL_LINES)
-    loop = asyncio.get_running_loop()
-    stream = asyncio.StreamReader(limit=_READ_CHUNK * 2)
-    read_pipe = os.fdopen(read_fd, "rb", buffering=0)
-    transport, _ = await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(stream), read_pipe
-    )
-    reader = asyncio.create_task(_pump(stream, on_line, tail))
+    reader = _PipeReader(read_fd, _Lines(on_line, tail))
     waiter = asyncio.create_task(proc.wait())
     stopper = asyncio.create_task(stop.wait())
     stopped: str | None = None
     try:
+        if on_start is not None:
+            on_start(pgid)
         done, _ = await asyncio.wait(
             {waiter, stopper}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
         )
@@ -160,15 +219,13 @@ async def run_process_group(
         # cleans up orphans): a step owns nothing once it has ended.
         await end_process_group(pgid, min(grace_s, 2.0))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(reader), timeout=max(grace_s, 1.0))
+            await asyncio.wait_for(asyncio.shield(reader.done), timeout=max(grace_s, 1.0))
     except asyncio.CancelledError:
         await asyncio.shield(end_process_group(pgid, grace_s))
         raise
     finally:
         stopper.cancel()
-        if not reader.done():
-            reader.cancel()
         if not waiter.done():
             waiter.cancel()
-        transport.close()
+        reader.close()
     return ProcessResult(exit_code=proc.returncode, stopped=stopped, tail=tuple(tail))

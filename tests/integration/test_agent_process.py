@@ -176,6 +176,10 @@ async def procs(
             for agent in p.running:
                 agent.kill()
                 await asyncio.to_thread(agent.proc.wait)
+                # Shown by pytest only when the test fails: what the agent warned of.
+                for event in agent.events():
+                    if event.get("level") in ("warning", "error", "critical"):
+                        print(f"{agent.log_path.name}: {json.dumps(event)[:2000]}")
 
 
 def journal_entries(system: System, host_id: str) -> list[JournalRecord]:

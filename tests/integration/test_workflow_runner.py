@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
 from fleetlease.hostagent.runners.base import RunContext, RunOutcome
+from fleetlease.hostagent.runners.process import run_process_group
 from fleetlease.hostagent.runners.workflow import CommandGoalRunner, ProcessWorkflowRunner
 from fleetlease.hostagent.workflows import WorkflowDefinition, load_workflow
 from fleetlease.persistence.model import Outcome, TaskKind
@@ -269,3 +271,59 @@ async def test_the_goal_command_fails_on_nonzero_exit(
     ctx = RunContext(task_id="t3", attempt=1, device_id="d", kind=TaskKind.GOAL, goal="g")
     out = await CommandGoalRunner(f"exit {code}", tmp_path / "work").run(ctx)
     assert out.outcome is Outcome.FAILED and out.retryable is retryable
+
+
+# --- the output pipe's descriptor -------------------------------------------------------------
+
+
+async def _steps_leave_other_descriptors_open(tmp_path: Path) -> None:
+    """Steps run while threads keep opening descriptors (each takes the lowest
+    free number, so often the number of the pipe a step just closed). A second
+    close of a pipe's number would close a thread's descriptor under it: its
+    own use of it then fails with EBADF."""
+    stop = threading.Event()
+    stolen: list[OSError] = []
+
+    def open_and_close() -> None:
+        while not stop.is_set():
+            fd = os.open(os.devnull, os.O_RDONLY)
+            try:
+                os.fstat(fd)
+            except OSError as exc:
+                stolen.append(exc)
+            try:
+                os.close(fd)
+            except OSError as exc:
+                stolen.append(exc)
+
+    threads = [threading.Thread(target=open_and_close, daemon=True) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        for i in range(300):
+            lines: list[str] = []
+            res = await run_process_group(
+                f"echo line {i}",
+                cwd=tmp_path,
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                on_line=lines.append,
+                timeout_s=30.0,
+                stop=asyncio.Event(),
+                grace_s=1.0,
+            )
+            assert (res.exit_code, lines) == (0, [f"line {i}"])
+            assert not stolen, stolen
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert not stolen, stolen
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_the_output_pipe_is_closed_once_on_either_loop(tmp_path: Path, loop_kind: str) -> None:
+    factory = None
+    if loop_kind == "uvloop":
+        factory = pytest.importorskip("uvloop").new_event_loop
+    with asyncio.Runner(loop_factory=factory) as loop_runner:
+        loop_runner.run(_steps_leave_other_descriptors_open(tmp_path))
