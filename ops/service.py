@@ -17,6 +17,7 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fleetlease.ops.observe import attach as observe
+from fleetlease.ops.observe.looplag import LoopLagProbe
 from fleetlease.persistence.clock import Clock, SystemClock
 from fleetlease.persistence.db import create_engine
 from fleetlease.persistence.migrate import upgrade_engine
@@ -118,6 +119,7 @@ class ControlPlaneService:
     ops: Any = None
     broker_auth: Any = None
     observer: Any = None
+    loop_lag: LoopLagProbe | None = None
     gc: Any = None
     history: Any = None
     sampler: Any = None
@@ -179,6 +181,8 @@ class ControlPlaneService:
                 self.observer = observe.for_service(
                     self, self.metrics, optional=self.metrics_optional
                 )
+                if self.observer is not None:
+                    self.loop_lag = LoopLagProbe().start()
         except BaseException:
             await self.stop()
             raise
@@ -274,6 +278,9 @@ class ControlPlaneService:
             with contextlib.suppress(Exception):
                 await self.broker_auth.stop()
             self.broker_auth = None
+        if self.loop_lag is not None:
+            await self.loop_lag.stop()
+            self.loop_lag = None
         if self.observer is not None:
             # Last but the pool: while the rest stops, /readyz answers "not ready".
             await asyncio.to_thread(self.observer.stop)

@@ -42,6 +42,8 @@ class ServeProcess:
     claim_s: float = 60.0
     ack_s: float = 60.0
     liveness_s: float = 600.0
+    #: HOST:PORT of its metrics listener (None: the default, optional).
+    metrics: str | None = None
     proc: subprocess.Popen[bytes] | None = None
     ps: psutil.Process | None = None
     starts: int = 0
@@ -75,6 +77,7 @@ class ServeProcess:
                 str(self.ack_s),
                 "--liveness-s",
                 str(self.liveness_s),
+                *(["--metrics", self.metrics] if self.metrics else []),
             ],
             stdin=subprocess.DEVNULL,
             stdout=log,

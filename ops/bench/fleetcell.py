@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import time
+import urllib.request
 from typing import Any
 
 from fleetlease.ops.bench.fleet import Events, Fleet, ServeProcess, with_repo
@@ -40,6 +42,7 @@ from fleetlease.ops.bench.simhosts import SimFleet, cpu_s
 #: The production timings of ``fleetlease serve`` (its defaults).
 _LEASE_S, _CLAIM_S, _ACK_S, _LIVENESS_S = 30.0, 30.0, 15.0, 30.0
 _EMPTY_S = 5.0
+_LAG_PROBE_S = 0.005
 #: The targets of the cell: idle cores, KiB per device, dispatch p99 in ms.
 TARGETS = {"idle_cores": 0.5, "kib_per_device": 4.0, "dispatch_p99_ms": 10.0}
 
@@ -85,6 +88,72 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _lag_buckets(serve: ServeProcess) -> dict[float, float]:
+    """The cumulative buckets of the serve's ``fleetlease_event_loop_lag_seconds``."""
+    url = f"http://{serve.metrics}/metrics"
+
+    def scrape() -> str:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return str(resp.read().decode())
+
+    out: dict[float, float] = {}
+    for line in (await asyncio.to_thread(scrape)).splitlines():
+        if line.startswith("fleetlease_event_loop_lag_seconds_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[float(le)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _lag_report(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
+    """The serve's loop lag over a phase: probes, and the share later than each bound."""
+    diff = {le: after.get(le, 0.0) - before.get(le, 0.0) for le in after}
+    total = diff.get(float("inf"), 0.0)
+    if not total:
+        return {"probes": 0}
+    return {
+        "probes": int(total),
+        "share_later_than_ms": {
+            f"{le * 1000:g}": round(1 - n / total, 4)
+            for le, n in sorted(diff.items())
+            if le != float("inf") and 0.001 <= le <= 0.1
+        },
+    }
+
+
+class _LoopLag:
+    """How late this process's event loop runs a timer (probed every
+    ``_LAG_PROBE_S``): the simulated hosts share the loop, so a reply that
+    reached the process waits this long before its host sees it, and that wait
+    is in the dispatch latency measured here."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._probe())
+
+    async def _probe(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + _LAG_PROBE_S
+            await asyncio.sleep(_LAG_PROBE_S)
+            self.samples.append(max(0.0, loop.time() - due))
+
+    async def stop(self) -> dict[str, Any]:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        return latency_ms(self.samples)
+
+
 class _Marks:
     def __init__(self, serve: ServeProcess) -> None:
         self.serve = serve
@@ -124,6 +193,7 @@ async def fleet_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
         claim_s=_CLAIM_S,
         ack_s=_ACK_S,
         liveness_s=_LIVENESS_S,
+        metrics=f"127.0.0.1:{_free_port()}",
     )
     sim = SimFleet(
         nats_url=fleet.nats_url,
@@ -225,6 +295,9 @@ async def fleet_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             ids: list[str] = []
             pending: set[asyncio.Task[Any]] = set()
             marks = _Marks(serve)
+            lag = _LoopLag()
+            lag.start()
+            serve_lag0 = await _lag_buckets(serve)
             start = time.monotonic()
             for i in range(n):
                 delay = start + i / opts.fleet_rate - time.monotonic()
@@ -246,11 +319,17 @@ async def fleet_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             except BenchError as exc:
                 report["load_incomplete"] = str(exc)
             loaded = marks.cores()
+            bench_lag = await lag.stop()
+            serve_lag = _lag_report(serve_lag0, await _lag_buckets(serve))
         report["load"] = {
             "rate_per_s": opts.fleet_rate,
             "tasks": len(ids),
             **loaded,
             **_latencies(ids, events, sim.held_at),
+            # How late the simulated hosts' own loop ran: part of dispatch.
+            "bench_loop_lag": bench_lag,
+            # How late the control plane's loop ran its probe (every 0.1 s).
+            "serve_loop_lag": serve_lag,
             "errors": _diff(sim.errors, errors_before),
             "submit_errors": submit_errors,
         }

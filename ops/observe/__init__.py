@@ -6,6 +6,7 @@
 * ``collectors``: what is read at scrape time (tasks, hosts and devices from the
   database in one bounded query; the actor system's gauges; an agent's state).
 * ``health``: the readiness checks.
+* ``looplag``: the event loop's lag, probed on the loop.
 * ``http``: the listener serving ``/metrics``, ``/healthz`` and ``/readyz``.
 
 ``docs/operations.md`` lists every metric with its labels.

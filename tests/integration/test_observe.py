@@ -50,6 +50,7 @@ ALLOWED_LABELS: dict[str, set[str]] = {
     "fleetlease_commit_group_size": {"kind", "le"},
     "fleetlease_assignment_latency_seconds": {"le"},
     "fleetlease_dispatch_latency_seconds": {"le"},
+    "fleetlease_event_loop_lag_seconds": {"le"},
     "fleetlease_lease_expiries": {"reason"},
     "fleetlease_task_retries": {"reason"},
     "fleetlease_nats_request_errors": {"code"},

@@ -193,3 +193,35 @@ def test_status_exits_6_when_nothing_answers(capsys: pytest.CaptureFixture[str])
     assert main(["status", "--metrics-url", f"http://127.0.0.1:{port}"]) == 6
     assert "cannot reach" in capsys.readouterr().err
     assert main(["status", "--metrics-url", "ftp://x"]) == 2
+
+
+async def test_the_loop_lag_probe_records_how_late_a_busy_loop_ran_it() -> None:
+    import asyncio
+    import time
+
+    from fleetlease.ops.observe.looplag import LoopLagProbe
+
+    def late() -> float:  # probes that came more than 50 ms late
+        return sample("fleetlease_event_loop_lag_seconds_count") - sample(
+            "fleetlease_event_loop_lag_seconds_bucket", le="0.05"
+        )
+
+    def count() -> float:
+        return sample("fleetlease_event_loop_lag_seconds_count")
+
+    before_late, before = late(), count()
+    probe = LoopLagProbe(interval_s=0.01).start()
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10.0
+        while count() == before:  # the probe's first wake-up
+            assert loop.time() < deadline
+            await asyncio.sleep(0.005)
+        time.sleep(0.2)  # noqa: ASYNC251 - the loop blocked on purpose, past the probe's timer
+        seen = count()
+        while count() == seen:
+            assert loop.time() < deadline
+            await asyncio.sleep(0.005)
+        assert late() > before_late
+    finally:
+        await probe.stop()
