@@ -94,35 +94,41 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def _lag_buckets(serve: ServeProcess) -> dict[float, float]:
-    """The cumulative buckets of the serve's ``fleetlease_event_loop_lag_seconds``."""
+async def _scrape(serve: ServeProcess) -> dict[str, float]:
+    """The samples of the serve's ``/metrics`` this cell reports on: its loop
+    lag's cumulative buckets (``lag:<le>``) and its garbage collections
+    (``gc:<generation>``)."""
     url = f"http://{serve.metrics}/metrics"
 
     def scrape() -> str:
         with urllib.request.urlopen(url, timeout=10) as resp:
             return str(resp.read().decode())
 
-    out: dict[float, float] = {}
+    out: dict[str, float] = {}
     for line in (await asyncio.to_thread(scrape)).splitlines():
         if line.startswith("fleetlease_event_loop_lag_seconds_bucket{"):
             le = line.split('le="', 1)[1].split('"', 1)[0]
-            out[float(le)] = float(line.rsplit(" ", 1)[1])
+            out[f"lag:{le}"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("python_gc_collections_total{"):
+            gen = line.split('generation="', 1)[1].split('"', 1)[0]
+            out[f"gc:{gen}"] = float(line.rsplit(" ", 1)[1])
     return out
 
 
-def _lag_report(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
-    """The serve's loop lag over a phase: probes, and the share later than each bound."""
-    diff = {le: after.get(le, 0.0) - before.get(le, 0.0) for le in after}
-    total = diff.get(float("inf"), 0.0)
-    if not total:
-        return {"probes": 0}
+def _serve_report(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Over a phase: the serve's loop-lag probes and the share of them later
+    than each bound; its garbage collections per generation."""
+    diff = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    lag = {float(k[4:]): v for k, v in diff.items() if k.startswith("lag:")}
+    total = lag.get(float("inf"), 0.0)
     return {
-        "probes": int(total),
-        "share_later_than_ms": {
+        "loop_lag_probes": int(total),
+        "loop_lag_share_later_than_ms": {
             f"{le * 1000:g}": round(1 - n / total, 4)
-            for le, n in sorted(diff.items())
-            if le != float("inf") and 0.001 <= le <= 0.1
+            for le, n in sorted(lag.items())
+            if total and le != float("inf") and 0.001 <= le <= 0.1
         },
+        "gc_collections": {k[3:]: int(v) for k, v in sorted(diff.items()) if k.startswith("gc:")},
     }
 
 
@@ -297,7 +303,7 @@ async def fleet_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             marks = _Marks(serve)
             lag = _LoopLag()
             lag.start()
-            serve_lag0 = await _lag_buckets(serve)
+            serve_marks = await _scrape(serve)
             start = time.monotonic()
             for i in range(n):
                 delay = start + i / opts.fleet_rate - time.monotonic()
@@ -320,7 +326,7 @@ async def fleet_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
                 report["load_incomplete"] = str(exc)
             loaded = marks.cores()
             bench_lag = await lag.stop()
-            serve_lag = _lag_report(serve_lag0, await _lag_buckets(serve))
+            serve_seen = _serve_report(serve_marks, await _scrape(serve))
         report["load"] = {
             "rate_per_s": opts.fleet_rate,
             "tasks": len(ids),
@@ -328,8 +334,9 @@ async def fleet_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             **_latencies(ids, events, sim.held_at),
             # How late the simulated hosts' own loop ran: part of dispatch.
             "bench_loop_lag": bench_lag,
-            # How late the control plane's loop ran its probe (every 0.1 s).
-            "serve_loop_lag": serve_lag,
+            # How late the control plane's loop ran its probe (every 0.1 s),
+            # and its garbage collections.
+            "serve": serve_seen,
             "errors": _diff(sim.errors, errors_before),
             "submit_errors": submit_errors,
         }

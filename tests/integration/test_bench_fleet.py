@@ -84,6 +84,14 @@ def test_bench_fleet_with_a_tiny_fleet_reports_every_phase(
         assert load[key]["n"] == 20
         assert 0 <= load[key]["p50_ms"] <= load[key]["p99_ms"] <= load[key]["max_ms"]
     assert load["errors"] == {}
+    assert set(load["bench_loop_lag"]) == LATENCY_KEYS and load["bench_loop_lag"]["n"] > 0
+    serve = load["serve"]
+    assert serve["loop_lag_probes"] > 0  # the load phase lasts seconds; a probe every 0.1 s
+    shares = serve["loop_lag_share_later_than_ms"]
+    assert set(shares) == {"1", "2.5", "5", "10", "25", "50", "100"}
+    assert all(0 <= v <= 1 for v in shares.values())
+    assert list(shares.values()) == sorted(shares.values(), reverse=True)
+    assert set(serve["gc_collections"]) == {"0", "1", "2"}
 
     targets = fleet["targets"]
     assert set(targets) == {"idle_cores", "kib_per_device", "dispatch_p99_ms"}
