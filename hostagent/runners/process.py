@@ -74,21 +74,21 @@ class _Lines:
         self.dropping = False
 
     def feed(self, chunk: bytes) -> None:
-        self.buf += chunk
-        while True:
-            nl = self.buf.find(b"\n")
-            if nl < 0:
-                break
-            line, self.buf = self.buf[:nl], self.buf[nl + 1 :]
+        buf = self.buf + chunk if self.buf else chunk
+        start = 0
+        while (nl := buf.find(b"\n", start)) >= 0:
             if self.dropping:
                 self.dropping = False
-                continue
-            _emit(line, self.on_line, self.tail)
-        if len(self.buf) > MAX_LINE_BYTES:
+            else:
+                _emit(buf[start:nl], self.on_line, self.tail)
+            start = nl + 1
+        rest = buf[start:]
+        if len(rest) > MAX_LINE_BYTES:
             if not self.dropping:
-                _emit(self.buf[:MAX_LINE_BYTES], self.on_line, self.tail)
+                _emit(rest[:MAX_LINE_BYTES], self.on_line, self.tail)
             self.dropping = True
-            self.buf = b""
+            rest = b""
+        self.buf = rest
 
     def end(self) -> None:
         if self.buf and not self.dropping:
@@ -102,7 +102,9 @@ class _PipeReader:
     Not ``loop.connect_read_pipe``: under uvloop that transport closes the
     descriptor's number twice (libuv's close, then the file object's), and a
     descriptor another thread opened in between is closed under it. Here the
-    number has one owner: this reader. ``done`` resolves at end of output.
+    number has one owner: this reader. ``done`` resolves at end of output; if
+    handing a line over raised, the rest of the output is read and dropped (the
+    command never blocks on a full pipe) and ``done`` raises that error.
     """
 
     def __init__(self, fd: int, lines: _Lines) -> None:
@@ -111,8 +113,14 @@ class _PipeReader:
         self.loop = asyncio.get_running_loop()
         self.done: asyncio.Future[None] = self.loop.create_future()
         self.closed = False
-        os.set_blocking(fd, False)
-        self.loop.add_reader(fd, self._readable)
+        self.error: Exception | None = None
+        try:
+            os.set_blocking(fd, False)
+            self.loop.add_reader(fd, self._readable)
+        except BaseException:
+            self.closed = True
+            os.close(fd)
+            raise
 
     def _readable(self) -> None:
         try:
@@ -123,12 +131,13 @@ class _PipeReader:
             self._finish(exc)
             return
         if not chunk:
-            self._finish(None)
+            self._finish(self.error)
             return
-        try:
-            self.lines.feed(chunk)
-        except Exception as exc:
-            self._finish(exc)
+        if self.error is None:
+            try:
+                self.lines.feed(chunk)
+            except Exception as exc:
+                self.error = exc
 
     def _finish(self, exc: BaseException | None) -> None:
         self.loop.remove_reader(self.fd)
@@ -201,11 +210,17 @@ async def run_process_group(
         os.close(write_fd)
     pgid = proc.pid  # a new session's leader: its pid is the group id
     tail: deque[str] = deque(maxlen=TAIL_LINES)
-    reader = _PipeReader(read_fd, _Lines(on_line, tail))
-    waiter = asyncio.create_task(proc.wait())
-    stopper = asyncio.create_task(stop.wait())
+    try:
+        reader = _PipeReader(read_fd, _Lines(on_line, tail))
+    except BaseException:
+        await asyncio.shield(end_process_group(pgid, grace_s))
+        raise
+    waiter: asyncio.Task[int] | None = None
+    stopper: asyncio.Task[bool] | None = None
     stopped: str | None = None
     try:
+        waiter = asyncio.create_task(proc.wait())
+        stopper = asyncio.create_task(stop.wait())
         if on_start is not None:
             on_start(pgid)
         done, _ = await asyncio.wait(
@@ -220,12 +235,14 @@ async def run_process_group(
         await end_process_group(pgid, min(grace_s, 2.0))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(reader.done), timeout=max(grace_s, 1.0))
-    except asyncio.CancelledError:
+    except BaseException:
+        # Cancelled, or something failed: the group never outlives the call.
         await asyncio.shield(end_process_group(pgid, grace_s))
         raise
     finally:
-        stopper.cancel()
-        if not waiter.done():
+        if stopper is not None:
+            stopper.cancel()
+        if waiter is not None and not waiter.done():
             waiter.cancel()
         reader.close()
     return ProcessResult(exit_code=proc.returncode, stopped=stopped, tail=tuple(tail))

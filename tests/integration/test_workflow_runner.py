@@ -244,6 +244,52 @@ async def test_a_background_process_left_behind_by_a_step_is_ended(tmp_path: Pat
     await wait_for(lambda: not alive(pid))
 
 
+async def test_a_failing_on_start_ends_the_group_it_was_told_of(tmp_path: Path) -> None:
+    started: list[int] = []
+
+    def on_start(pgid: int) -> None:
+        started.append(pgid)
+        raise RuntimeError("journal unavailable")
+
+    with pytest.raises(RuntimeError, match="journal unavailable"):
+        await run_process_group(
+            "sleep 300",
+            cwd=tmp_path,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+            on_line=lambda line: None,
+            timeout_s=None,
+            stop=asyncio.Event(),
+            grace_s=2.0,
+            on_start=on_start,
+        )
+    (pgid,) = started
+    await wait_for(lambda: not alive(pgid))
+
+
+async def test_a_failing_line_handler_does_not_stall_a_chatty_step(tmp_path: Path) -> None:
+    """The step writes far more than a pipe holds; its lines' handler fails at
+    the first. The output is still read to the end (the step is never blocked
+    on a full pipe, here with no timeout), then the handler's error is raised."""
+
+    def on_line(line: str) -> None:
+        raise ValueError("sink closed")
+
+    with pytest.raises(ValueError, match="sink closed"):
+        await asyncio.wait_for(
+            run_process_group(
+                "seq 1 200000; echo finished > done",
+                cwd=tmp_path,
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                on_line=on_line,
+                timeout_s=None,
+                stop=asyncio.Event(),
+                grace_s=2.0,
+            ),
+            timeout=60,
+        )
+    assert (tmp_path / "done").read_text() == "finished\n"
+
+
 async def test_an_unknown_workflow_is_a_retryable_failure(tmp_path: Path) -> None:
     wf = define(tmp_path, "name: w\nsteps:\n  - run: exit 0\n")
     out = await runner(tmp_path, wf).run(Sink().context("other"))
