@@ -252,6 +252,9 @@ class ControlPlaneService:
         (the queue group's other members get them); the control plane releases
         parked long-polls, lets the requests in flight commit and stops its
         actors; the server sends the last replies and closes its connections."""
+        if self.loop_lag is not None:
+            await self.loop_lag.stop()
+            self.loop_lag = None
         if self.gc is not None:
             await self.gc.stop()  # after its current batch
             self.gc = None
@@ -278,9 +281,6 @@ class ControlPlaneService:
             with contextlib.suppress(Exception):
                 await self.broker_auth.stop()
             self.broker_auth = None
-        if self.loop_lag is not None:
-            await self.loop_lag.stop()
-            self.loop_lag = None
         if self.observer is not None:
             # Last but the pool: while the rest stops, /readyz answers "not ready".
             await asyncio.to_thread(self.observer.stop)

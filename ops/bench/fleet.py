@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -110,6 +111,24 @@ class ServeProcess:
                             f"fleetlease serve did not answer within {timeout_s:.0f} s"
                         ) from None
                     await asyncio.sleep(0.02)
+
+    async def metrics_url(self, timeout_s: float = 30.0) -> str:
+        """The URL of its metrics listener, from its ``metrics_listening`` log
+        line (it binds ``metrics``, port 0 included, after the user API answers)."""
+        path = self.state_dir / f"serve-{self.starts}.log"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(OSError):
+                for line in path.read_text(errors="replace").splitlines():
+                    with contextlib.suppress(ValueError):
+                        event = json.loads(line)
+                        if isinstance(event, dict) and event.get("event") == "metrics_listening":
+                            return str(event["url"])
+            if self.proc is not None and self.proc.poll() is not None:
+                raise BenchError(f"fleetlease serve exited: {self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise BenchError(f"fleetlease serve did not listen for metrics: {self.log_tail()}")
+            await asyncio.sleep(0.05)
 
     def log_tail(self) -> str:
         path = self.state_dir / f"serve-{self.starts}.log"

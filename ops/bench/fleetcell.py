@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import time
 import urllib.request
 from typing import Any
@@ -88,24 +87,21 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def _scrape(serve: ServeProcess) -> dict[str, float]:
+async def _scrape(url: str) -> dict[str, float] | None:
     """The samples of the serve's ``/metrics`` this cell reports on: its loop
     lag's cumulative buckets (``lag:<le>``) and its garbage collections
-    (``gc:<generation>``)."""
-    url = f"http://{serve.metrics}/metrics"
+    (``gc:<generation>``); None when they cannot be read."""
 
     def scrape() -> str:
-        with urllib.request.urlopen(url, timeout=10) as resp:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
             return str(resp.read().decode())
 
+    try:
+        text = await asyncio.to_thread(scrape)
+    except OSError:
+        return None
     out: dict[str, float] = {}
-    for line in (await asyncio.to_thread(scrape)).splitlines():
+    for line in text.splitlines():
         if line.startswith("fleetlease_event_loop_lag_seconds_bucket{"):
             le = line.split('le="', 1)[1].split('"', 1)[0]
             out[f"lag:{le}"] = float(line.rsplit(" ", 1)[1])
@@ -115,9 +111,13 @@ async def _scrape(serve: ServeProcess) -> dict[str, float]:
     return out
 
 
-def _serve_report(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+def _serve_report(
+    before: dict[str, float] | None, after: dict[str, float] | None
+) -> dict[str, Any]:
     """Over a phase: the serve's loop-lag probes and the share of them later
     than each bound; its garbage collections per generation."""
+    if before is None or after is None:
+        return {"error": "the serve's metrics could not be read"}
     diff = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     lag = {float(k[4:]): v for k, v in diff.items() if k.startswith("lag:")}
     total = lag.get(float("inf"), 0.0)
@@ -146,17 +146,17 @@ class _LoopLag:
         self._task = asyncio.ensure_future(self._probe())
 
     async def _probe(self) -> None:
-        loop = asyncio.get_running_loop()
+        # The performance counter: uvloop's clock counts whole milliseconds.
         while True:
-            due = loop.time() + _LAG_PROBE_S
+            due = time.perf_counter() + _LAG_PROBE_S
             await asyncio.sleep(_LAG_PROBE_S)
-            self.samples.append(max(0.0, loop.time() - due))
+            self.samples.append(max(0.0, time.perf_counter() - due))
 
     async def stop(self) -> dict[str, Any]:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
         return latency_ms(self.samples)
 
 
@@ -199,7 +199,7 @@ async def fleet_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
         claim_s=_CLAIM_S,
         ack_s=_ACK_S,
         liveness_s=_LIVENESS_S,
-        metrics=f"127.0.0.1:{_free_port()}",
+        metrics="127.0.0.1:0",
     )
     sim = SimFleet(
         nats_url=fleet.nats_url,
@@ -224,6 +224,7 @@ async def fleet_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
     serve.spawn()
     try:
         await serve.ready()
+        metrics_url = await serve.metrics_url()
         await events.start(fleet.nats_url, f"{fleet.prefix}.events.task")
         say(opts, "fleet: empty control plane")
         marks = _Marks(serve)
@@ -300,10 +301,10 @@ async def fleet_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             await ops.call("whoami")
             ids: list[str] = []
             pending: set[asyncio.Task[Any]] = set()
+            serve_marks = await _scrape(metrics_url)
             marks = _Marks(serve)
             lag = _LoopLag()
             lag.start()
-            serve_marks = await _scrape(serve)
             start = time.monotonic()
             for i in range(n):
                 delay = start + i / opts.fleet_rate - time.monotonic()
@@ -326,7 +327,7 @@ async def fleet_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
                 report["load_incomplete"] = str(exc)
             loaded = marks.cores()
             bench_lag = await lag.stop()
-            serve_seen = _serve_report(serve_marks, await _scrape(serve))
+            serve_seen = _serve_report(serve_marks, await _scrape(metrics_url))
         report["load"] = {
             "rate_per_s": opts.fleet_rate,
             "tasks": len(ids),

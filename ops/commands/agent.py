@@ -29,6 +29,7 @@ from fleetlease.ops.commands.status import add_metrics_flag, metrics_from_args
 from fleetlease.ops.config import ConfigError, ensure_state_dir, from_args
 from fleetlease.ops.logging import configure_logging
 from fleetlease.ops.observe import attach as observe
+from fleetlease.ops.observe.looplag import LoopLagProbe
 from fleetlease.ops.system import AlreadyRunning, single_instance
 
 MAX_RESUMES_ENV = "FLEETLEASE_AGENT_MAX_RESUMES"
@@ -247,6 +248,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 async def _run(agent: Any, metrics: str | None = None) -> None:
     loop = asyncio.get_running_loop()
     listener = observe.for_agent(agent, metrics, loop) if metrics else None
+    lag = LoopLagProbe().start() if listener is not None else None
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, agent.stop)
     try:
@@ -254,5 +256,7 @@ async def _run(agent: Any, metrics: str | None = None) -> None:
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+        if lag is not None:
+            await lag.stop()
         if listener is not None:
             await asyncio.to_thread(listener.stop)

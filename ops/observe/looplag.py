@@ -1,15 +1,17 @@
 """The event loop's lag: how late it runs a timer that is due.
 
 A probe on the loop sleeps ``interval_s`` and records by how much the wake-up
-came late (``fleetlease_event_loop_lag_seconds``). Every request the process
-answers waits behind the same ready queue, so the lag is the part of a reply's
-latency that is the loop being busy, whatever the request.
+came late (``fleetlease_event_loop_lag_seconds``), timed with the
+performance counter (uvloop's own clock counts whole milliseconds). Every
+request the process answers waits behind the same ready queue, so the lag is
+the part of a reply's latency that is the loop being busy (or blocked, or
+paused by a garbage collection), whatever the request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import time
 
 from fleetlease.ops.observe.metrics import LOOP_LAG_SECONDS
 
@@ -28,15 +30,19 @@ class LoopLagProbe:
         return self
 
     async def _probe(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            due = loop.time() + self.interval_s
+            due = time.perf_counter() + self.interval_s
             await asyncio.sleep(self.interval_s)
-            LOOP_LAG_SECONDS.observe(max(0.0, loop.time() - due))
+            LOOP_LAG_SECONDS.observe(max(0.0, time.perf_counter() - due))
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if task is None:
+            return
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # the caller was cancelled too: not ours to swallow

@@ -118,7 +118,7 @@ LOOP_LAG_SECONDS = Histogram(
     "fleetlease_event_loop_lag_seconds",
     "How late the event loop ran a timer due now (probed every 0.1 s): the wait "
     "any request of this process has before its handler runs.",
-    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
     registry=REGISTRY,
 )
 

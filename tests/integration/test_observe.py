@@ -219,6 +219,7 @@ async def test_metrics_move_as_tasks_run_and_their_labels_stay_bounded(
     # The submit through this process's user API is seen queued, then assigned.
     assert moved("fleetlease_assignment_latency_seconds_count") >= 1
     assert moved("fleetlease_dispatch_latency_seconds_count") >= 2
+    assert moved("fleetlease_event_loop_lag_seconds_count") >= 1  # probed every 0.1 s
     assert moved("fleetlease_nats_request_errors_total", code="unauthorized") >= 1
     assert moved("fleetlease_refusals_total", principal_kind="host") >= 1
     assert value(after, "fleetlease_hosts", state="live") == 1
@@ -370,6 +371,9 @@ async def test_an_agent_serves_its_metrics_and_readiness_with_metrics_flag(
     assert value(samples, "fleetlease_agent_assignments_total") >= 1
     assert sum(v for (n, _), v in samples.items() if n == "fleetlease_agent_devices") == 2
     assert value(samples, "process_resident_memory_bytes") > 0
+    await until(
+        url, lambda s: value(s, "fleetlease_event_loop_lag_seconds_count") > 0, "a loop-lag probe"
+    )
 
     await system.cp.cancel(task_id, ADMIN)
     await system.wait_state(task_id, "cancelled")
