@@ -37,6 +37,7 @@ from fleetlease.ops.bench.measure import (
 )
 from fleetlease.ops.bench.options import ZERO, BenchError, BenchOptions, say
 from fleetlease.ops.bench.simhosts import SimFleet, cpu_s
+from fleetlease.ops.observe.looplag import LoopLagProbe
 
 #: The production timings of ``fleetlease serve`` (its defaults).
 _LEASE_S, _CLAIM_S, _ACK_S, _LIVENESS_S = 30.0, 30.0, 15.0, 30.0
@@ -130,34 +131,6 @@ def _serve_report(
         },
         "gc_collections": {k[3:]: int(v) for k, v in sorted(diff.items()) if k.startswith("gc:")},
     }
-
-
-class _LoopLag:
-    """How late this process's event loop runs a timer (probed every
-    ``_LAG_PROBE_S``): the simulated hosts share the loop, so a reply that
-    reached the process waits this long before its host sees it, and that wait
-    is in the dispatch latency measured here."""
-
-    def __init__(self) -> None:
-        self.samples: list[float] = []
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.ensure_future(self._probe())
-
-    async def _probe(self) -> None:
-        # The performance counter: uvloop's clock counts whole milliseconds.
-        while True:
-            due = time.perf_counter() + _LAG_PROBE_S
-            await asyncio.sleep(_LAG_PROBE_S)
-            self.samples.append(max(0.0, time.perf_counter() - due))
-
-    async def stop(self) -> dict[str, Any]:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait([task])
-        return latency_ms(self.samples)
 
 
 class _Marks:
@@ -303,8 +276,11 @@ async def fleet_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             pending: set[asyncio.Task[Any]] = set()
             serve_marks = await _scrape(metrics_url)
             marks = _Marks(serve)
-            lag = _LoopLag()
-            lag.start()
+            # How late this process's loop runs a timer: the simulated hosts
+            # share it, so a reply that reached the process waits this long
+            # before its host sees it, and that wait is in the dispatch figure.
+            bench_lags: list[float] = []
+            lag = LoopLagProbe(_LAG_PROBE_S, record=bench_lags.append).start()
             start = time.monotonic()
             for i in range(n):
                 delay = start + i / opts.fleet_rate - time.monotonic()
@@ -326,7 +302,8 @@ async def fleet_cell(opts: BenchOptions, fleet: Fleet) -> dict[str, Any]:
             except BenchError as exc:
                 report["load_incomplete"] = str(exc)
             loaded = marks.cores()
-            bench_lag = await lag.stop()
+            await lag.stop()
+            bench_lag = latency_ms(bench_lags)
             serve_seen = _serve_report(serve_marks, await _scrape(metrics_url))
         report["load"] = {
             "rate_per_s": opts.fleet_rate,

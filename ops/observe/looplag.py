@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from fleetlease.ops.observe.metrics import LOOP_LAG_SECONDS
 
@@ -19,10 +20,16 @@ __all__ = ["LoopLagProbe"]
 
 
 class LoopLagProbe:
-    """Started on the loop it measures (``start``), stopped with ``stop``."""
+    """Started on the loop it measures (``start``), stopped with ``stop``. Each
+    lag, in seconds, goes to ``record`` (the histogram unless told)."""
 
-    def __init__(self, interval_s: float = 0.1) -> None:
+    def __init__(
+        self,
+        interval_s: float = 0.1,
+        record: Callable[[float], None] = LOOP_LAG_SECONDS.observe,
+    ) -> None:
         self.interval_s = interval_s
+        self.record = record
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> LoopLagProbe:
@@ -33,7 +40,7 @@ class LoopLagProbe:
         while True:
             due = time.perf_counter() + self.interval_s
             await asyncio.sleep(self.interval_s)
-            LOOP_LAG_SECONDS.observe(max(0.0, time.perf_counter() - due))
+            self.record(max(0.0, time.perf_counter() - due))
 
     async def stop(self) -> None:
         task, self._task = self._task, None
